@@ -1,0 +1,100 @@
+"""The one module that reads environment variables. Each variable is declared once in ENV_VARS
+(name, type, default, where it is read, what it does); docs/env-vars.md is checked against this
+table by tests/test_envs.py. Per-kernel enable flags are declared in kernels.yaml (`enable.env`)
+and parsed with `parse_flag` below, so they follow the same rules."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import EnvError
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    kind: str  # "flag" | "path" | "float" | "level"
+    default: str | None
+    read_in: str
+    doc: str
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("MLX_AOT_CACHE_DIR", "path", None, "registry/artifacts.py",
+           "Directory holding compiled artifacts; replaces both the in-package and the user cache "
+           "directory for `compile` and for the registry."),
+    EnvVar("MLX_AOT_LOCK_TIMEOUT", "float", "600", "build_tools/compiler.py",
+           "Seconds `compile` waits for another process's build lock before failing with the lock path."),
+    EnvVar("MLX_AOT_LOG_LEVEL", "level", None, "registry/__init__.py",
+           "Log level of the `registry` logger (DEBUG shows every rejection reason)."),
+    EnvVar("MLX_AOT_DISABLE_NATIVE", "flag", "0", "registry/native.py",
+           "Never load native artifacts; every kernel runs its reference path (for A/B checks)."),
+    EnvVar("MLX_AOT_REQUIRE_NATIVE", "flag", "0", "registry/native.py",
+           "Raise instead of falling back when a selected kernel's artifact is missing or stale."),
+)
+_BY_NAME = {v.name: v for v in ENV_VARS}
+
+
+def parse_flag(name: str, raw: str | None, default: bool) -> bool:
+    """Parse a boolean env flag: unset or empty -> default; 1/0/true/false/yes/no/on/off."""
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise EnvError(
+        f"environment variable {name}={raw!r}: expected one of 1/0/true/false/yes/no/on/off "
+        f"(case-insensitive), or unset for the default ({'on' if default else 'off'})")
+
+
+def flag_state(name: str, default: bool) -> tuple[bool, bool]:
+    """(value, explicitly_set) for an enable flag declared in kernels.yaml."""
+    raw = os.environ.get(name)
+    explicit = raw is not None and raw.strip() != ""
+    return parse_flag(name, raw, default), explicit
+
+
+def get_flag(name: str) -> bool:
+    var = _BY_NAME[name]
+    return parse_flag(name, os.environ.get(name), parse_flag(name, var.default, False))
+
+
+def get_float(name: str) -> float:
+    var = _BY_NAME[name]
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return float(var.default)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise EnvError(f"environment variable {name}={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise EnvError(f"environment variable {name}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def get_path(name: str) -> Path | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    return Path(raw).expanduser()
+
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def get_log_level(name: str = "MLX_AOT_LOG_LEVEL") -> str | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    level = raw.strip().upper()
+    if level not in _LEVELS:
+        raise EnvError(f"environment variable {name}={raw!r}: expected one of {', '.join(_LEVELS)}")
+    return level
