@@ -1,0 +1,27 @@
+"""mlx-aot-kernels: the kernel registry MLX inference engines import.
+
+    import registry
+    kernels = registry.build_kernel_set(sample_attn=attn, n_kv_heads=8, head_dim=128)
+    print(kernels.explain())
+"""
+
+import logging as _logging
+
+from . import envs as _envs
+from .core import KernelRegistry, KernelSet, SelectionContext, build_kernel_set, default_registry
+from .errors import (ArtifactError, EnvError, KernelArgumentError, ManifestError, MlxAotError,
+                     NativeUnavailableError)
+from .kernels.rope_pool_fused import rope_pool_fused, rope_pool_fused_reference
+from .manifest import KernelSpec, load_manifest
+from .rope import RopeConfig, UnsupportedRope, normalize_rope
+
+__version__ = "0.1.0"
+
+_level = _envs.get_log_level()
+if _level:
+    _logging.getLogger("registry").setLevel(_level)
+
+__all__ = ["KernelRegistry", "KernelSet", "SelectionContext", "build_kernel_set", "default_registry",
+           "ArtifactError", "EnvError", "KernelArgumentError", "ManifestError", "MlxAotError",
+           "NativeUnavailableError", "rope_pool_fused", "rope_pool_fused_reference", "KernelSpec",
+           "load_manifest", "RopeConfig", "UnsupportedRope", "normalize_rope", "__version__"]

@@ -1,0 +1,265 @@
+"""rope_pool_fused: RoPE on q and k plus storing k and v into slot-indexed KV pools, one dispatch.
+
+Contract (docs/kernel-abi.md):
+    rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, rope)
+        -> (q_rot, k_rot, k_pool, v_pool)
+q [T, Hq, D], k and v [T, Hkv, D], positions and slots int32 [T], pools [S, Hkv, D], all float arrays
+of one dtype (f16/bf16/f32). The first `rope.rotary_dims` features rotate, the rest pass through (in
+the outputs and the pool). slots[t] < 0 rotates only; slots[t] >= S is an error.
+The pools come back updated; the native path updates them in place (the returned arrays share the
+buffers passed in), so always rebind: `q, k, k_pool, v_pool = kernel(...)`.
+
+This module is the kernel's thin wrapper: argument validation, the pure-MLX reference (the fallback
+and the oracle the native kernels are tested against), launch geometry, and `build`, which the
+registry calls (kernels.yaml: wrapper).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import mlx.core as mx
+
+from ..errors import KernelArgumentError
+from ..rope import RopeConfig, UnsupportedRope, normalize_rope
+
+log = logging.getLogger("registry")
+
+KERNEL_NAME = "rope_pool_fused"
+_DTYPES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _shape(a: Any) -> str:
+    return "x".join(str(s) for s in a.shape) if hasattr(a, "shape") else type(a).__name__
+
+
+def validate(q, k, v, positions, slots, k_pool, v_pool, rope: RopeConfig) -> None:
+    """Raise KernelArgumentError naming the argument, the expectation and the shapes seen."""
+    named = dict(q=q, k=k, v=v, positions=positions, slots=slots, k_pool=k_pool, v_pool=v_pool)
+    for name, a in named.items():
+        if not isinstance(a, mx.array):
+            raise KernelArgumentError(f"rope_pool_fused: {name} must be an mx.array, got {type(a).__name__}")
+    for name in ("q", "k", "v", "k_pool", "v_pool"):
+        if named[name].ndim != 3:
+            raise KernelArgumentError(
+                f"rope_pool_fused: {name} must be 3-D "
+                f"{'[pool_size, n_kv_heads, head_dim]' if 'pool' in name else '[tokens, heads, head_dim]'}, "
+                f"got shape {_shape(named[name])}")
+    if q.dtype not in _DTYPES:
+        raise KernelArgumentError(f"rope_pool_fused: q dtype {q.dtype} is not float16, bfloat16 or float32")
+    for name in ("k", "v", "k_pool", "v_pool"):
+        if named[name].dtype != q.dtype:
+            raise KernelArgumentError(f"rope_pool_fused: {name} dtype {named[name].dtype} differs from "
+                                      f"q dtype {q.dtype}; all of q, k, v, k_pool, v_pool must match")
+    T, Hq, D = q.shape
+    if k.shape != v.shape:
+        raise KernelArgumentError(f"rope_pool_fused: k {_shape(k)} and v {_shape(v)} must have the same shape")
+    if k.shape[0] != T or k.shape[2] != D:
+        raise KernelArgumentError(f"rope_pool_fused: k {_shape(k)} must be [tokens={T}, n_kv_heads, "
+                                  f"head_dim={D}] to match q {_shape(q)}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise KernelArgumentError(f"rope_pool_fused: q has {Hq} heads, not a multiple of k's {Hkv} heads")
+    if D % 2:
+        raise KernelArgumentError(f"rope_pool_fused: head_dim={D} must be even")
+    for name in ("k_pool", "v_pool"):
+        p = named[name]
+        if p.shape[1:] != (Hkv, D):
+            raise KernelArgumentError(f"rope_pool_fused: {name} {_shape(p)}: pool layout must be "
+                                      f"[pool_size, n_kv_heads={Hkv}, head_dim={D}]")
+    if k_pool.shape != v_pool.shape:
+        raise KernelArgumentError(f"rope_pool_fused: k_pool {_shape(k_pool)} and v_pool {_shape(v_pool)} "
+                                  f"must have the same shape")
+    for name in ("positions", "slots"):
+        a = named[name]
+        if a.dtype != mx.int32 or a.shape != (T,):
+            raise KernelArgumentError(f"rope_pool_fused: {name} must be int32 [tokens={T}], got "
+                                      f"{a.dtype} {_shape(a)}")
+    if rope.rotary_dims > D:
+        raise KernelArgumentError(f"rope_pool_fused: rope.rotary_dims={rope.rotary_dims} exceeds head_dim={D}")
+
+
+def validate_slots(slots: mx.array, pool_size: int) -> None:
+    """Raise if any slot is >= pool_size. Costs one host sync: engines call it once per step and
+    pass check_slots=False to every layer (the kernels never write out of bounds regardless)."""
+    if slots.size == 0:
+        return
+    hi = int(mx.max(slots).item())
+    if hi >= pool_size:
+        bad = int(mx.argmax(slots >= pool_size).item())
+        raise KernelArgumentError(f"rope_pool_fused: slots[{bad}]={int(slots[bad].item())} "
+                                  f"is out of range for a pool of {pool_size} slots (valid: 0..{pool_size - 1}, "
+                                  f"or < 0 to skip the write)")
+
+
+# ----------------------------------------------------------------------------- reference
+
+def _rotate(x: mx.array, positions: mx.array, rope: RopeConfig) -> mx.array:
+    """x [T, H, D] -> rotated, fp32 math, rounded once to x.dtype."""
+    r = rope.rotary_dims
+    x32 = x.astype(mx.float32)
+    if rope.mscale != 1.0:
+        x32 = mx.concatenate([x32[..., :r] * rope.mscale, x32[..., r:]], axis=-1)
+    # One batch element per token so each token gets its own offset (mx.fast.rope takes a [B] offset).
+    kw = dict(base=rope.base) if rope.periods is None else dict(base=None, freqs=_periods(rope))
+    out = mx.fast.rope(x32[:, :, None, :], r, traditional=rope.traditional, scale=rope.pos_scale,
+                       offset=positions, **kw)
+    return out[:, :, 0, :].astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _periods(rope: RopeConfig) -> mx.array:
+    return mx.array(rope.periods_array())
+
+
+def _store(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
+    """pool with pool[slots[t]] = rows[t] where slots[t] is in range, lazily (no host sync).
+
+    Rows whose slot must not be written are redirected to repeat a valid token's write (identical
+    value, so duplicate indices cannot conflict); with no valid token at all, slot 0 gets its own value.
+    """
+    S = pool.shape[0]
+    valid = (slots >= 0) & (slots < S)
+    j = mx.argmax(valid)
+    any_valid = valid[j]
+    fallback_slot = mx.where(any_valid, slots[j], 0)
+    fallback_row = mx.where(any_valid, rows[j], pool[0])
+    idx = mx.where(valid, slots, fallback_slot)
+    vals = mx.where(valid[:, None, None], rows, fallback_row[None])
+    out = mx.array(pool)  # a new array object: the caller's pool object is left as it was
+    out[idx] = vals
+    return out
+
+
+def rope_pool_fused_reference(q, k, v, positions, slots, k_pool, v_pool, *, rope):
+    """Pure-MLX rope_pool_fused: mx.fast.rope with per-token offsets + two scatters. Runs on every
+    MLX device; rows with slot < 0 or >= pool size are not written."""
+    rope = normalize_rope(rope)
+    validate(q, k, v, positions, slots, k_pool, v_pool, rope)
+    q_rot = _rotate(q, positions, rope)
+    k_rot = _rotate(k, positions, rope)
+    return q_rot, k_rot, _store(k_pool, slots, k_rot), _store(v_pool, slots, v)
+
+
+# ----------------------------------------------------------------------------- launch geometry
+
+def pick_heads_per_thread(n_q_heads: int, n_kv_heads: int, n_tokens: int) -> int:
+    """Heads one thread rotates with one cos/sin pair. More heads per thread amortise the
+    trigonometry; fewer keep enough threads in flight for tiny decode batches."""
+    if n_tokens * (n_q_heads + n_kv_heads) <= 64:
+        return 1
+    return min(4, max(1, n_kv_heads))
+
+
+def metal_geometry(n_tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int, rotary_dims: int,
+                   heads_per_thread: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid in threads, threadgroup) for the Metal kernel; docs/kernel-abi.md spells it out."""
+    del rotary_dims  # every thread owns one feature pair; rotary vs pass-through is decided inside
+    hpt = heads_per_thread
+    groups = -(-n_q_heads // hpt) + -(-n_kv_heads // hpt)
+    gx = head_dim // 2
+    tx = min(gx, 32)
+    ty = max(1, min(n_tokens, 256 // tx))
+    return (gx, max(n_tokens, 1), groups), (tx, ty, 1)
+
+
+def cuda_geometry(n_tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int, rotary_dims: int,
+                  heads_per_thread: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid in threads, block) for the CUDA kernel; the same decomposition as Metal."""
+    return metal_geometry(n_tokens, n_q_heads, n_kv_heads, head_dim, rotary_dims, heads_per_thread)
+
+
+_GEOMETRY = {"metal": metal_geometry, "cuda": cuda_geometry}
+
+
+# ----------------------------------------------------------------------------- kernel object
+
+def backend_of(device: mx.Device | None = None) -> str:
+    device = device if device is not None else mx.default_device()
+    if device.type == mx.cpu:
+        return "cpu"
+    return "cuda" if mx.cuda.is_available() else "metal"
+
+
+class RopePoolFusedKernel:
+    """What `KernelSet.rope` holds: call it like rope_pool_fused (without `rope=`).
+
+    `implementation` says what runs: 'native-cuda', 'native-metal', 'native-cpu' or 'reference';
+    `reason` says why (e.g. which artifact was loaded, or why the native path is unavailable).
+    """
+
+    def __init__(self, rope: RopeConfig, *, backend: str, device: mx.Device | None = None,
+                 launcher: Any = None, reason: str = ""):
+        self.rope = rope
+        self.backend = backend
+        self.device = device
+        self._launcher = launcher
+        self.reason = reason
+        self._inv_freq = mx.array(rope.inv_freq())
+        self.enabled = True
+
+    @property
+    def implementation(self) -> str:
+        return f"native-{self.backend}" if self._launcher is not None else "reference"
+
+    def __repr__(self) -> str:
+        return (f"RopePoolFusedKernel(rotary_dims={self.rope.rotary_dims}, traditional={self.rope.traditional}, "
+                f"source={self.rope.source}, implementation={self.implementation})")
+
+    def __call__(self, q, k, v, positions, slots, k_pool, v_pool, *, check_slots: bool = True):
+        validate(q, k, v, positions, slots, k_pool, v_pool, self.rope)
+        if check_slots:
+            validate_slots(slots, k_pool.shape[0])
+        if self._launcher is None:
+            return rope_pool_fused_reference(q, k, v, positions, slots, k_pool, v_pool, rope=self.rope)
+        T, Hq, D = q.shape
+        Hkv = k.shape[1]
+        hpt = pick_heads_per_thread(Hq, Hkv, T)
+        geometry = _GEOMETRY.get(self.backend)
+        grid, group = geometry(T, Hq, Hkv, D, self.rope.rotary_dims, hpt) if geometry else ((1, 1, 1), (1, 1, 1))
+        scalars = dict(n_tokens=T, pool_size=k_pool.shape[0], n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D,
+                       rotary_dims=self.rope.rotary_dims, traditional=int(self.rope.traditional),
+                       heads_per_thread=hpt, pos_scale=self.rope.pos_scale, mscale=self.rope.mscale)
+        inputs = dict(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, positions=positions, slots=slots,
+                      inv_freq=self._inv_freq)
+        q_rot, k_rot, k_pool, v_pool = self._launcher.launch(
+            _DTYPES[q.dtype], inputs, scalars, grid=grid, threadgroup=group, stream=self.device)
+        return q_rot, k_rot, k_pool, v_pool
+
+
+def build(spec, ctx) -> RopePoolFusedKernel:
+    """Registry hook (kernels.yaml `wrapper`): a kernel object for the selection context `ctx`,
+    native when the artifact for ctx.backend is present and fresh, else the reference path."""
+    from ..native import load_launcher  # the native side is optional: import only when building
+
+    launcher, reason = load_launcher(spec, ctx.backend)
+    if launcher is None:
+        log.debug("rope_pool_fused: native path unavailable on %s: %s", ctx.backend, reason)
+    return RopePoolFusedKernel(ctx.rope, backend=ctx.backend, device=ctx.device, launcher=launcher,
+                               reason=reason)
+
+
+@functools.lru_cache(maxsize=32)
+def _default_kernel(rope: RopeConfig, backend: str) -> RopePoolFusedKernel:
+    from ..core import SelectionContext
+    from ..manifest import load_manifest
+
+    spec = load_manifest().kernel(KERNEL_NAME)
+    ctx = SelectionContext(attention="mha", rope=rope, rope_error="", n_heads=0, n_kv_heads=0, head_dim=0,
+                           dtype=None, backend=backend, device=None)
+    return build(spec, ctx)
+
+
+def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, rope, check_slots: bool = True):
+    """Functional entry point: normalises `rope` (a RopeConfig or any supported RoPE module) and runs
+    the native kernel for the default device when its artifact is available, else the reference."""
+    try:
+        cfg = normalize_rope(rope)
+    except UnsupportedRope as e:
+        raise KernelArgumentError(f"rope_pool_fused: rope: {e}") from None
+    kernel = _default_kernel(cfg, backend_of())
+    return kernel(q, k, v, positions, slots, k_pool, v_pool, check_slots=check_slots)
