@@ -383,10 +383,10 @@ _KERNEL_KEYS = {"name", "kernel_attr", "description", "wrapper", "enable", "requ
 _REQUIRED = {"name", "kernel_attr", "description", "wrapper", "enable", "signature", "entries"}
 
 
-def _kernel(problems: _Problems, root: Path, d: Any, index: int) -> KernelSpec | None:
+def _kernel(problems: _Problems, root: Path, d: Any, index: int, line: int) -> KernelSpec | None:
     where = f"kernels[{index}]: "
     if not isinstance(d, dict):
-        problems.add(0, where, f"expected a mapping, got {_type_name(d)} {d!r}")
+        problems.add(line, where, f"expected a mapping, got {_type_name(d)} {d!r}")
         return None
     raw_name = d.get("name")
     if isinstance(raw_name, str):
@@ -482,7 +482,7 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
     if "kernels" in data and not isinstance(kernels_raw, list):
         top.err(data, "kernels", f"kernels: expected a list, got {_type_name(kernels_raw)}")
     for i, entry in enumerate(kernels_raw if isinstance(kernels_raw, list) else []):
-        spec = _kernel(problems, path.parent, entry, i)
+        spec = _kernel(problems, path.parent, entry, i, _line(data, "kernels"))
         if spec is not None:
             kernels.append(spec)
     seen_names: dict[str, int] = {}

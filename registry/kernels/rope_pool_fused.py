@@ -261,5 +261,6 @@ def rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, rope, check_sl
         cfg = normalize_rope(rope)
     except UnsupportedRope as e:
         raise KernelArgumentError(f"rope_pool_fused: rope: {e}") from None
+    validate(q, k, v, positions, slots, k_pool, v_pool, cfg)  # argument errors before any manifest work
     kernel = _default_kernel(cfg, backend_of())
     return kernel(q, k, v, positions, slots, k_pool, v_pool, check_slots=check_slots)

@@ -1,0 +1,143 @@
+"""Kernel selection: env flag, requires, prefer, Python check, reasons, explain() and logging."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import registry
+from registry import KernelRegistry, ManifestError
+from registry.errors import EnvError
+from tests.test_manifest import GOOD, write
+
+
+class Attn(nn.Module):
+    def __init__(self, rope=None, n_heads=8, mla=False):
+        super().__init__()
+        self.n_heads = n_heads
+        self.rope = rope if rope is not None else nn.RoPE(32)
+        self.q_proj = nn.Linear(8, 8)
+        if mla:
+            self.kv_lora_rank = 16
+
+
+def toy_registry(tmp_path, **changes):
+    data = copy.deepcopy(GOOD)
+    data["kernels"][0].update(changes)
+    return KernelRegistry.from_yaml(write(tmp_path, data))
+
+
+def test_selected_with_context(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLX_AOT_TOY", raising=False)
+    kset = toy_registry(tmp_path).build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32)
+    assert kset.selected_kernel_names == ("toy",)
+    assert kset.toy.ctx.rope.rotary_dims == 32 and kset.toy.ctx.n_heads == 8
+    assert kset.toy.ctx.dtype == "float32" and kset.toy.ctx.backend == "cpu"
+    assert kset.rejections == {}
+    assert " ".join(kset.explain().split()).endswith("toy = toy: selected [reference] (toy)")
+
+
+def test_env_flag_off_and_default_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_AOT_TOY", "0")
+    kset = toy_registry(tmp_path).build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32)
+    assert kset.toy is None and kset.rejections["toy"] == "disabled by MLX_AOT_TOY=0"
+    monkeypatch.delenv("MLX_AOT_TOY")
+    kset = toy_registry(tmp_path, enable={"env": "MLX_AOT_TOY", "default": False}).build_kernel_set(
+        sample_attn=Attn(), n_kv_heads=2, head_dim=32)
+    assert kset.rejections["toy"] == "off by default; set MLX_AOT_TOY=1 to enable"
+
+
+def test_bad_env_value_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_AOT_TOY", "maybe")
+    with pytest.raises(EnvError, match="MLX_AOT_TOY='maybe'"):
+        toy_registry(tmp_path).build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32)
+
+
+def test_requirement_reason_is_formatted(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLX_AOT_TOY", raising=False)
+    reg = toy_registry(tmp_path)
+
+    class Weird(nn.Module):
+        pass
+    kset = reg.build_kernel_set(sample_attn=Attn(rope=Weird()), n_kv_heads=2, head_dim=32)
+    assert kset.rejections["toy"].startswith("unknown RoPE class")
+    kset = reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=33)
+    assert kset.rejections["toy"] == "requirement `head_dim % 2 == 0` is false"
+
+
+def test_prefer_is_skipped_when_forced_on(tmp_path, monkeypatch):
+    reg = toy_registry(tmp_path, prefer=[{"expr": "backend == 'cuda'", "reason": "slow on {backend}"}])
+    monkeypatch.delenv("MLX_AOT_TOY", raising=False)
+    kset = reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32)
+    assert kset.rejections["toy"] == "not faster here: slow on cpu (set MLX_AOT_TOY=1 to force it on)"
+    monkeypatch.setenv("MLX_AOT_TOY", "1")
+    assert reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32).toy is not None
+
+
+def test_python_check_must_give_reason(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLX_AOT_TOY", raising=False)
+    reg = toy_registry(tmp_path, check="tests.toy_wrapper:check_small_heads")
+    assert reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32).toy is not None
+    kset = reg.build_kernel_set(sample_attn=Attn(rope=nn.RoPE(64)), n_kv_heads=2, head_dim=128)
+    assert kset.rejections["toy"] == "head_dim=128 > 64 (toy check)"
+    reg = toy_registry(tmp_path, check="tests.toy_wrapper:check_without_reason")
+    with pytest.raises(ManifestError, match="check tests.toy_wrapper:check_without_reason said no without a reason"):
+        reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32)
+
+
+def test_unimportable_wrapper_fails_at_build_time(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLX_AOT_TOY", raising=False)
+    reg = toy_registry(tmp_path, wrapper="tests.no_such_module:build")
+    with pytest.raises(ManifestError, match="kernel 'toy': wrapper: cannot import tests.no_such_module:build"):
+        reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32)
+
+
+def test_unknown_attribute_lists_declared(tmp_path):
+    kset = toy_registry(tmp_path).build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32)
+    with pytest.raises(AttributeError, match="no kernel attribute 'paged_attention'; declared: toy"):
+        kset.paged_attention
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(n_kv_heads=0, head_dim=32), "n_kv_heads must be a positive int, got 0"),
+    (dict(n_kv_heads=2, head_dim="128"), "head_dim must be a positive int, got '128'"),
+])
+def test_bad_build_arguments(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message):
+        toy_registry(tmp_path).build_kernel_set(sample_attn=Attn(), **kw)
+
+
+# ----------------------------------------------------------------------------- the real manifest
+
+def test_rope_kernel_selected_for_plain_rope(monkeypatch, caplog):
+    monkeypatch.delenv("MLX_AOT_ROPE_POOL_FUSED", raising=False)
+    with caplog.at_level(logging.DEBUG, logger="registry"):
+        kset = registry.build_kernel_set(sample_attn=Attn(nn.RoPE(32, traditional=True)), n_kv_heads=2,
+                                         head_dim=64, dtype=mx.bfloat16)
+    assert kset.selected_kernel_names == ("rope_pool_fused",)
+    assert kset.rope.rope.rotary_dims == 32 and kset.rope.rope.traditional
+    assert kset.rope.implementation in ("native-cpu", "reference")
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "MLX AOT kernels selected: rope_pool_fused" in infos[0].getMessage()
+
+
+def test_rope_kernel_rejections_explained(monkeypatch, caplog):
+    monkeypatch.delenv("MLX_AOT_ROPE_POOL_FUSED", raising=False)
+    with caplog.at_level(logging.DEBUG, logger="registry"):
+        mla = registry.build_kernel_set(sample_attn=Attn(mla=True), n_kv_heads=1, head_dim=64)
+    assert mla.rope is None
+    assert mla.rejections["rope_pool_fused"].startswith("attention layout is mla")
+    assert any(r.levelno == logging.DEBUG and "not selected" in r.getMessage() for r in caplog.records)
+    gqa = registry.build_kernel_set(sample_attn=Attn(n_heads=6), n_kv_heads=4, head_dim=64)
+    assert gqa.rejections["rope_pool_fused"] == "n_heads=6 is not a multiple of n_kv_heads=4"
+    big = registry.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=16)
+    assert big.rejections["rope_pool_fused"] == "rotary dims exceed head_dim=16"
+    text = big.explain()
+    assert "rope_pool_fused: not selected: rotary dims exceed head_dim=16" in text
+    monkeypatch.setenv("MLX_AOT_ROPE_POOL_FUSED", "off")
+    off = registry.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=64)
+    assert off.rejections["rope_pool_fused"] == "disabled by MLX_AOT_ROPE_POOL_FUSED=0"
