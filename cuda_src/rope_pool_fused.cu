@@ -1,0 +1,178 @@
+// rope_pool_fused, CUDA entry points (docs/kernel-abi.md): one launch rotates q and k, stores the
+// rotated k and the unchanged v into the slot-indexed pools.
+//
+// Work decomposition. A row (one head of one token) is split into units of W-element vectors
+// (W = 16 bytes / element size when the row layout allows it, else smaller, down to 1):
+//   - rotary units: W pairs held in two W-vectors a and b; half-split: a = x[uW..], b = x[R/2 + uW..];
+//     traditional: a = x[2uW..], b = x[2uW + W..] (pairs adjacent inside each vector);
+//   - pass-through units: one W-vector of features [R, D), copied.
+// Thread (t, u, g): token t, unit u, head group g (HPT heads: q groups first, then kv groups).
+// cos/sin of the unit's W pairs are computed once and reused for the group's heads.
+// grid.x covers n_tokens * units, grid.y the head groups; every index is bounds-checked.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+template <typename T> struct Cvt;
+template <> struct Cvt<__half> {
+  static __device__ __forceinline__ float load(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half store(float x) { return __float2half_rn(x); }
+};
+template <> struct Cvt<__nv_bfloat16> {
+  static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct Cvt<float> {
+  static __device__ __forceinline__ float load(float x) { return x; }
+  static __device__ __forceinline__ float store(float x) { return x; }
+};
+
+// A W-element vector moved with one aligned load/store (16 bytes for W * sizeof(T) == 16).
+template <typename T, int W> struct alignas(sizeof(T) * W) Vec { T v[W]; };
+
+struct Params {
+  int n_tokens, pool_size, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional, hpt;
+  float pos_scale, mscale;
+};
+
+template <typename T, int W>
+__device__ __forceinline__ Vec<T, W> load_vec(const T* p) { return *reinterpret_cast<const Vec<T, W>*>(p); }
+template <typename T, int W>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, W>& x) { *reinterpret_cast<Vec<T, W>*>(p) = x; }
+
+// Rotate the W pairs of one unit. Half-split (and W == 1, where a and b are the two members of one
+// traditional pair): pair j = (a[j], b[j]). Traditional with W >= 2: a holds pairs 0..W/2-1 and b
+// pairs W/2..W-1, each as adjacent elements.
+template <typename T, int W>
+__device__ __forceinline__ void rotate_unit(Vec<T, W>& a, Vec<T, W>& b, const float* c, const float* s,
+                                            bool adjacent, float m) {
+  if (W >= 2 && adjacent) {
+#pragma unroll
+    for (int j = 0; j < W / 2; ++j) {
+      float x1 = Cvt<T>::load(a.v[2 * j]) * m, x2 = Cvt<T>::load(a.v[2 * j + 1]) * m;
+      a.v[2 * j] = Cvt<T>::store(x1 * c[j] - x2 * s[j]);
+      a.v[2 * j + 1] = Cvt<T>::store(x1 * s[j] + x2 * c[j]);
+      x1 = Cvt<T>::load(b.v[2 * j]) * m;
+      x2 = Cvt<T>::load(b.v[2 * j + 1]) * m;
+      b.v[2 * j] = Cvt<T>::store(x1 * c[W / 2 + j] - x2 * s[W / 2 + j]);
+      b.v[2 * j + 1] = Cvt<T>::store(x1 * s[W / 2 + j] + x2 * c[W / 2 + j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const float x1 = Cvt<T>::load(a.v[j]) * m, x2 = Cvt<T>::load(b.v[j]) * m;
+      a.v[j] = Cvt<T>::store(x1 * c[j] - x2 * s[j]);
+      b.v[j] = Cvt<T>::store(x1 * s[j] + x2 * c[j]);
+    }
+  }
+}
+
+template <typename T, int W>
+__device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     T* __restrict__ q_out, T* __restrict__ k_out, T* k_pool, T* v_pool,
+                     const int32_t* __restrict__ positions, const int32_t* __restrict__ slots,
+                     const float* __restrict__ inv_freq, const Params& p) {
+  using V = Vec<T, W>;
+  const int half = p.rotary_dims / 2;
+  const int rot_units = half / W;
+  const int units = rot_units + (p.head_dim - p.rotary_dims) / W;
+  const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (units == 0 || idx >= static_cast<long long>(p.n_tokens) * units) return;
+  const int t = static_cast<int>(idx / units);
+  const int u = static_cast<int>(idx - static_cast<long long>(t) * units);
+  const int gq = (p.n_q_heads + p.hpt - 1) / p.hpt;
+  const int gk = (p.n_kv_heads + p.hpt - 1) / p.hpt;
+  const int g = blockIdx.y;
+  if (g >= gq + gk) return;
+  const bool is_q = g < gq;
+  const int n_heads = is_q ? p.n_q_heads : p.n_kv_heads;
+  const int h0 = (is_q ? g : g - gq) * p.hpt;
+  const int h1 = min(h0 + p.hpt, n_heads);
+  const bool trad = p.traditional != 0;
+  const int D = p.head_dim;
+
+  const int slot = is_q ? -1 : slots[t];
+  const bool write = !is_q && slot >= 0 && slot < p.pool_size;  // never out of bounds
+
+  const bool rotary = u < rot_units;
+  int off_a, off_b = 0;
+  float c[W], s[W];
+  if (rotary) {
+    if (trad) {
+      off_a = 2 * u * W;
+      off_b = W == 1 ? off_a + 1 : off_a + W;
+    } else {
+      off_a = u * W;
+      off_b = half + u * W;
+    }
+    const float pos = static_cast<float>(positions[t]) * p.pos_scale;
+#pragma unroll
+    for (int j = 0; j < W; ++j) sincosf(pos * inv_freq[u * W + j], &s[j], &c[j]);
+  } else {
+    off_a = p.rotary_dims + (u - rot_units) * W;
+  }
+
+  for (int h = h0; h < h1; ++h) {
+    const long long row = (static_cast<long long>(t) * n_heads + h) * D;
+    const T* in = (is_q ? q : k) + row;
+    T* out = (is_q ? q_out : k_out) + row;
+    const long long dst = write ? (static_cast<long long>(slot) * p.n_kv_heads + h) * D : 0;
+    V a = load_vec<T, W>(in + off_a);
+    if (rotary) {
+      V b = load_vec<T, W>(in + off_b);
+      rotate_unit<T, W>(a, b, c, s, trad, p.mscale);
+      store_vec<T, W>(out + off_b, b);
+      if (write) {
+        store_vec<T, W>(k_pool + dst + off_b, b);
+        store_vec<T, W>(v_pool + dst + off_b, load_vec<T, W>(v + row + off_b));
+      }
+    }
+    store_vec<T, W>(out + off_a, a);
+    if (write) {
+      store_vec<T, W>(k_pool + dst + off_a, a);
+      store_vec<T, W>(v_pool + dst + off_a, load_vec<T, W>(v + row + off_a));
+    }
+  }
+}
+
+// The widest vector the row layout allows: rotary units span 2W elements and the pass-through tail
+// W-element vectors, all starting on multiples of W. W == 1 covers every even rotary_dims.
+template <typename T>
+__device__ __forceinline__ int pick_width(const Params& p) {
+  for (int w = 16 / static_cast<int>(sizeof(T)); w > 1; w /= 2) {
+    if (p.rotary_dims % (2 * w) == 0 && (p.head_dim - p.rotary_dims) % w == 0) return w;
+  }
+  return 1;
+}
+
+template <typename T>
+__device__ void dispatch(const T* q, const T* k, const T* v, T* q_out, T* k_out, T* k_pool, T* v_pool,
+                         const int32_t* positions, const int32_t* slots, const float* inv_freq, const Params& p) {
+  switch (pick_width<T>(p)) {
+    case 8:
+      if constexpr (sizeof(T) == 2) body<T, 8>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p);
+      break;
+    case 4: body<T, 4>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
+    case 2: body<T, 2>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
+    default: body<T, 1>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
+  }
+}
+
+}  // namespace
+
+#define ROPE_POOL_ENTRY(NAME, T)                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                               \
+      const T* q, const T* k, const T* v, T* q_out, T* k_out, T* k_pool, T* v_pool,                      \
+      const int32_t* positions, const int32_t* slots, const float* inv_freq, int n_tokens, int pool_size, \
+      int n_q_heads, int n_kv_heads, int head_dim, int rotary_dims, int traditional, int heads_per_thread,\
+      float pos_scale, float mscale) {                                                                   \
+    const Params p{n_tokens, pool_size, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional,       \
+                   heads_per_thread < 1 ? 1 : heads_per_thread, pos_scale, mscale};                      \
+    dispatch<T>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p);                   \
+  }
+
+ROPE_POOL_ENTRY(rope_pool_fused_f16, __half)
+ROPE_POOL_ENTRY(rope_pool_fused_bf16, __nv_bfloat16)
+ROPE_POOL_ENTRY(rope_pool_fused_f32, float)
