@@ -15,7 +15,7 @@ from .kernels.rope_pool_fused import rope_pool_fused, rope_pool_fused_reference
 from .manifest import KernelSpec, load_manifest
 from .rope import RopeConfig, UnsupportedRope, normalize_rope
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _level = _envs.get_log_level()
 if _level:

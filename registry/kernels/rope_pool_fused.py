@@ -123,6 +123,8 @@ def _store(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
     value, so duplicate indices cannot conflict); with no valid token at all, slot 0 gets its own value.
     """
     S = pool.shape[0]
+    if slots.size == 0 or S == 0:
+        return mx.array(pool)
     valid = (slots >= 0) & (slots < S)
     j = mx.argmax(valid)
     any_valid = valid[j]
