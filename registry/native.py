@@ -1,8 +1,122 @@
-"""Python side of the generic AOT launcher (csrc/). Placeholder until the extension lands:
-every kernel runs its reference path."""
+"""Python side of the generic AOT launcher (csrc/, module registry._ext).
+
+One lifecycle for every backend, run once when a kernel set is built (never per call):
+find the artifact (registry.artifacts.lookup) -> verify it (source digest + sha256) -> load it into
+a Launcher; otherwise return None and the reason, and the kernel object falls back to its
+reference path. MLX_AOT_DISABLE_NATIVE forces the fallback; MLX_AOT_REQUIRE_NATIVE turns the
+fallback into an error that carries the fix.
+"""
 
 from __future__ import annotations
 
+import struct
+from pathlib import Path
+from typing import Any, Sequence
 
-def load_launcher(spec, backend):
-    return None, "native extension registry._ext is not built yet"
+import mlx.core as mx
+
+from . import envs
+from .artifacts import lookup
+from .errors import ArtifactError, KernelArgumentError, NativeUnavailableError
+from .manifest import KernelSpec
+
+_ROLE = {"input": 0, "output": 1, "inplace": 2}
+_BUILD_FIX = ("build it with `pip install -e '.[cpu]'` (Linux CPU), `pip install --no-build-isolation -e "
+              "'.[cuda13]'` (Linux CUDA) or `pip install -e .` (macOS)")
+
+
+def import_ext():
+    """registry._ext, or NativeUnavailableError saying why and how to build it."""
+    try:
+        from . import _ext
+    except ImportError as e:
+        raise NativeUnavailableError(f"native extension registry._ext is not importable ({e}); {_BUILD_FIX}") from None
+    return _ext
+
+
+def _f32_bits(name: str, value: float) -> int:
+    try:
+        return struct.unpack("<I", struct.pack("<f", value))[0]   # rounded to float32, as the kernel computes
+    except OverflowError:
+        raise KernelArgumentError(f"scalar {name}={value} does not fit in float32") from None
+
+
+def _i32_bits(name: str, value: int) -> int:
+    if not -2**31 <= value < 2**31:
+        raise KernelArgumentError(f"scalar {name}={value} does not fit in int32")
+    return value & 0xFFFFFFFF
+
+
+class Launcher:
+    """A loaded artifact of one kernel for one backend: `launch(...)` builds one lazy MLX primitive."""
+
+    def __init__(self, spec: KernelSpec, backend: str, path: str, entries: dict[str, str], ext: Any):
+        sig = spec.signature
+        names = [b.name for b in sig.buffers]
+        self.spec = spec
+        self.backend = backend
+        self.path = path
+        self.entries = dict(entries)
+        self._ext = ext
+        self._input_names = [b.name for b in sig.inputs]
+        self._scalar_names = [s.name for s in sig.scalars]
+        self._scalar_is_float = [s.type == "float32" for s in sig.scalars]
+        self._binary = ext.KernelBinary(
+            # Artifact file names carry their content key, so this names one exact binary.
+            key=f"mlx_aot_{Path(path).name}", path=path, target=backend,
+            roles=[_ROLE[b.role] for b in sig.buffers],
+            like=[names.index(b.like) if b.like else -1 for b in sig.buffers],
+            scalar_types=[1 if f else 0 for f in self._scalar_is_float],
+            specialize=[int(s.specialize) for s in sig.scalars])
+
+    def launch(self, dtype: str, inputs: dict[str, mx.array], scalars: dict[str, int | float], *,
+               grid: Sequence[int], threadgroup: Sequence[int], stream: Any = None) -> list[mx.array]:
+        entry = self.entries.get(dtype)
+        if entry is None:
+            raise KernelArgumentError(f"{self.spec.name}: no entry for dtype {dtype}; the manifest declares "
+                                      f"{', '.join(self.entries)}")
+        try:
+            arrays = [inputs[n] for n in self._input_names]
+            bits = [_f32_bits(n, float(scalars[n])) if f else _i32_bits(n, int(scalars[n]))
+                    for n, f in zip(self._scalar_names, self._scalar_is_float)]
+        except KeyError as e:
+            raise KernelArgumentError(f"{self.spec.name}: missing argument {e.args[0]!r}; the signature needs "
+                                      f"buffers {self._input_names} and scalars {self._scalar_names}") from None
+        return self._ext.launch(self._binary, entry, arrays, bits, tuple(grid), tuple(threadgroup), stream)
+
+
+def _device_arch(ext) -> str:
+    arch = ext.cuda_device_arch(0)
+    if not arch:
+        raise NativeUnavailableError("registry._ext was built without CUDA support, but MLX runs on CUDA; "
+                                     "rebuild against mlx[cuda13]: pip install --no-build-isolation -e '.[cuda13]'")
+    return arch
+
+
+def _load(spec: KernelSpec, backend: str) -> Launcher:
+    if envs.get_flag("MLX_AOT_DISABLE_NATIVE"):
+        raise NativeUnavailableError("MLX_AOT_DISABLE_NATIVE is set")
+    ext = import_ext()
+    if backend == "cuda" and not ext.built_with_cuda():
+        raise NativeUnavailableError("registry._ext was built without CUDA (against mlx[cpu]); rebuild with "
+                                     "`pip install --no-build-isolation -e '.[cuda13]'` on the CUDA machine")
+    if backend == "metal" and not ext.built_with_metal():
+        raise NativeUnavailableError("registry._ext was built without Metal; rebuild it on macOS: pip install -e .")
+    arch = _device_arch(ext) if backend == "cuda" else None
+    found = lookup(spec, backend, arch=arch)
+    if found.path is None:
+        raise ArtifactError(found.reason)
+    launcher = Launcher(spec, backend, str(found.path), found.entries, ext)
+    launcher.reason = found.reason
+    return launcher
+
+
+def load_launcher(spec: KernelSpec, backend: str) -> tuple[Launcher | None, str]:
+    """(launcher, why) or (None, why not). With MLX_AOT_REQUIRE_NATIVE set, 'why not' is raised."""
+    try:
+        launcher = _load(spec, backend)
+        return launcher, launcher.reason
+    except (NativeUnavailableError, ArtifactError) as e:
+        if envs.get_flag("MLX_AOT_REQUIRE_NATIVE") and not envs.get_flag("MLX_AOT_DISABLE_NATIVE"):
+            raise type(e)(f"{spec.name} on {backend}: {e} (MLX_AOT_REQUIRE_NATIVE is set)") from None
+        return None, str(e)

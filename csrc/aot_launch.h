@@ -1,0 +1,78 @@
+// The generic AOT launcher: one MLX primitive that runs a named entry function of a compiled
+// artifact (cubin/PTX on CUDA, metallib on Metal, shared library on CPU) with the argument layout
+// of a kernels.yaml signature (docs/kernel-abi.md). Nothing here names a kernel.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace mlx_aot {
+
+namespace mx = mlx::core;
+
+enum Role : int { kInput = 0, kOutput = 1, kInplace = 2 };
+enum ScalarType : int { kInt32 = 0, kFloat32 = 1 };
+
+// What does not change between calls of one kernel on one artifact.
+struct KernelBinary {
+  std::string key;                 // unique per artifact (kernel name + file sha): library/module cache key
+  std::string path;                // the artifact file
+  std::string target;              // "cpu" | "cuda" | "metal"
+  std::vector<int> roles;          // per buffer, signature order
+  std::vector<int> like;           // per buffer: outputs -> buffer index giving shape/dtype, else -1
+  std::vector<int> scalar_types;   // per scalar
+  std::vector<int> specialize;     // per scalar: 1 = Metal function constant
+  int n_inputs = 0;                // buffers with role input or inplace
+  int n_outputs = 0;               // buffers with role output or inplace
+};
+
+// Per call: entry symbol (per dtype), scalar values (raw 32-bit patterns) and launch geometry.
+struct LaunchArgs {
+  std::string entry;
+  std::vector<uint32_t> scalars;
+  std::array<int, 3> grid{1, 1, 1};   // threads per axis
+  std::array<int, 3> group{1, 1, 1};  // threads per threadgroup / block
+};
+
+class AotLaunch : public mx::Primitive {
+ public:
+  AotLaunch(mx::Stream stream, std::shared_ptr<const KernelBinary> bin, LaunchArgs args)
+      : mx::Primitive(stream), bin_(std::move(bin)), args_(std::move(args)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "AotLaunch"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+  const KernelBinary& binary() const { return *bin_; }
+  const LaunchArgs& launch_args() const { return args_; }
+
+ private:
+  // Outputs get their buffers: fresh allocations, or the aliased input's buffer for in-place roles.
+  void prepare_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs);
+  std::shared_ptr<const KernelBinary> bin_;
+  LaunchArgs args_;
+};
+
+// Build the lazy launch: validates counts and dtypes, makes inputs row-contiguous, copies an
+// in-place input that another evaluated array shares (a view), returns outputs in signature order.
+std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, LaunchArgs args,
+                              std::vector<mx::array> inputs, mx::StreamOrDevice s = {});
+
+// The buffer -> input/output index maps of a signature.
+void buffer_slots(const KernelBinary& bin, std::vector<int>& input_of, std::vector<int>& output_of);
+
+// Device compute capability as "sm_XY" for CUDA builds, "" elsewhere.
+std::string cuda_device_arch(int device);
+bool built_with_cuda();
+bool built_with_metal();
+
+}  // namespace mlx_aot

@@ -1,0 +1,61 @@
+// eval_gpu on MLX's Metal backend. Compiled only on macOS (not built or run in Linux CI; see
+// docs/native.md). The metallib is loaded once under a unique library name; pipelines are
+// specialised by function constants and cached under a name that encodes every constant's bits.
+#include "aot_launch.h"
+
+#include <sstream>
+#include <stdexcept>
+
+#include "mlx/backend/metal/device.h"
+
+namespace mlx_aot {
+
+void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  if (bin_->target != "metal") {
+    throw std::runtime_error("[mlx_aot] " + args_.entry + ": artifact " + bin_->path + " is for " + bin_->target +
+                             ", not Metal");
+  }
+  prepare_outputs(inputs, outputs);
+  auto& d = mx::metal::device(stream().device);
+  // A path ending in .metallib is loaded as that exact file; the name must be unique per artifact.
+  MTL::Library* lib = d.get_library(bin_->key, bin_->path);
+
+  mx::metal::MTLFCList constants;
+  std::ostringstream hash;
+  hash << args_.entry;
+  int fc_index = 0;
+  for (size_t i = 0; i < args_.scalars.size(); ++i) {
+    if (!bin_->specialize[i]) continue;
+    auto type = bin_->scalar_types[i] == kFloat32 ? MTL::DataType::DataTypeFloat : MTL::DataType::DataTypeInt;
+    constants.emplace_back(&args_.scalars[i], type, fc_index++);
+    hash << "_" << std::hex << args_.scalars[i];  // exact bits: 0.1f and 0.10000001f differ
+  }
+  auto* kernel = d.get_kernel(args_.entry, lib, hash.str(), constants);
+
+  auto& enc = mx::metal::get_command_encoder(stream());
+  enc.set_compute_pipeline_state(kernel);
+  std::vector<int> input_of, output_of;
+  buffer_slots(*bin_, input_of, output_of);
+  const int n_buffers = static_cast<int>(bin_->roles.size());
+  for (int b = 0; b < n_buffers; ++b) {
+    if (output_of[b] >= 0) {
+      enc.set_output_array(outputs[output_of[b]], b);
+    } else {
+      enc.set_input_array(inputs[input_of[b]], b);
+    }
+  }
+  int slot = n_buffers;
+  for (size_t i = 0; i < args_.scalars.size(); ++i) {
+    if (bin_->specialize[i]) continue;
+    enc.set_bytes(args_.scalars[i], slot++);  // 4 bytes: int32 or float32 bit pattern
+  }
+  if (args_.grid[0] == 0 || args_.grid[1] == 0 || args_.grid[2] == 0) return;
+  enc.dispatch_threads(MTL::Size(args_.grid[0], args_.grid[1], args_.grid[2]),
+                       MTL::Size(args_.group[0], args_.group[1], args_.group[2]));
+}
+
+std::string cuda_device_arch(int) { return ""; }
+bool built_with_cuda() { return false; }
+bool built_with_metal() { return true; }
+
+}  // namespace mlx_aot

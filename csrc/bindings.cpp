@@ -1,0 +1,68 @@
+// registry._ext: the Python face of the generic launcher (registry/native.py builds on it).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "aot_launch.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using mlx_aot::KernelBinary;
+using mlx_aot::LaunchArgs;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "mlx-aot-kernels native launcher: runs AOT-compiled kernels as one MLX primitive";
+
+  nb::class_<KernelBinary>(m, "KernelBinary")
+      .def("__init__",
+           [](KernelBinary* self, std::string key, std::string path, std::string target, std::vector<int> roles,
+              std::vector<int> like, std::vector<int> scalar_types, std::vector<int> specialize) {
+             if (roles.size() != like.size()) throw std::invalid_argument("roles and like differ in length");
+             if (scalar_types.size() != specialize.size())
+               throw std::invalid_argument("scalar_types and specialize differ in length");
+             auto* b = new (self) KernelBinary();
+             b->key = std::move(key);
+             b->path = std::move(path);
+             b->target = std::move(target);
+             b->roles = std::move(roles);
+             b->like = std::move(like);
+             b->scalar_types = std::move(scalar_types);
+             b->specialize = std::move(specialize);
+             for (size_t i = 0; i < b->roles.size(); ++i) {
+               int r = b->roles[i];
+               if (r < 0 || r > 2) throw std::invalid_argument("role must be 0 (input), 1 (output) or 2 (inplace)");
+               if (r != mlx_aot::kOutput) b->n_inputs++;
+               if (r != mlx_aot::kInput) b->n_outputs++;
+               if (r == mlx_aot::kOutput &&
+                   (b->like[i] < 0 || b->like[i] >= static_cast<int>(i) || b->roles[b->like[i]] == mlx_aot::kOutput))
+                 throw std::invalid_argument("output buffer " + std::to_string(i) + " needs `like` = an earlier input");
+             }
+           },
+           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a)
+      .def_ro("key", &KernelBinary::key)
+      .def_ro("path", &KernelBinary::path)
+      .def_ro("target", &KernelBinary::target);
+
+  m.def(
+      "launch",
+      [](std::shared_ptr<KernelBinary> bin, std::string entry, std::vector<mlx::core::array> inputs,
+         std::vector<uint32_t> scalars, std::array<int, 3> grid, std::array<int, 3> group,
+         mlx::core::StreamOrDevice s) {
+        LaunchArgs args{std::move(entry), std::move(scalars), grid, group};
+        for (int i = 0; i < 3; ++i) {
+          if (grid[i] < 0 || group[i] < 1)
+            throw std::invalid_argument("grid must be >= 0 and threadgroup >= 1 on every axis");
+        }
+        return mlx_aot::launch(std::move(bin), std::move(args), std::move(inputs), s);
+      },
+      "binary"_a, "entry"_a, "inputs"_a, "scalars"_a, "grid"_a, "threadgroup"_a, "stream"_a = nb::none(),
+      "Lazily launch `entry` of the artifact; returns the outputs in signature order.");
+
+  m.def("cuda_device_arch", &mlx_aot::cuda_device_arch, "device"_a = 0,
+        "Compute capability of a CUDA device as 'sm_XY' ('' without CUDA).");
+  m.def("built_with_cuda", &mlx_aot::built_with_cuda);
+  m.def("built_with_metal", &mlx_aot::built_with_metal);
+}
