@@ -85,9 +85,10 @@ std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, LaunchArg
     auto& a = inputs[input_of[b]];
     if (bin->roles[b] == kInplace) {
       // Aliasing is safe only when this array is the buffer's sole owner. An evaluated array that
-      // shares its buffer (a view such as pool[:n], or another alias) would see the writes: copy.
+      // shares its buffer (a view such as pool[:n], or another alias) would see the writes: write
+      // into a real copy instead. (mx::copy shares buffers; x * 1 is an exact, materialised copy.)
       if (a.is_available() && (!a.flags().row_contiguous || a.data_shared_ptr().use_count() > 1)) {
-        a = mx::copy(a, s);
+        a = mx::multiply(a, mx::array(1, a.dtype()), s);
       } else if (!a.is_available()) {
         a = mx::contiguous(a, false, s);
       }

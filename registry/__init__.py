@@ -7,6 +7,12 @@
 
 import logging as _logging
 
+try:
+    import mlx.core as _mx  # noqa: F401
+except ImportError as _e:  # Linux `pip install mlx` alone has no libmlx
+    raise ImportError(f"mlx-aot-kernels needs MLX with its library ({_e}); on Linux install "
+                      f"mlx-aot-kernels[cpu] or mlx-aot-kernels[cuda13] (mlx[cpu] / mlx[cuda13] == 0.32.4)") from _e
+
 from . import envs as _envs
 from .core import KernelRegistry, KernelSet, SelectionContext, build_kernel_set, default_registry
 from .errors import (ArtifactError, EnvError, KernelArgumentError, ManifestError, MlxAotError,

@@ -29,3 +29,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "macos" in item.keywords and not is_mac:
             item.add_marker(skip_mac)
+
+
+@pytest.fixture(scope="session")
+def native_artifacts(tmp_path_factory):
+    """Compile the manifest's kernels for the default device's backend into a private directory
+    and point the registry at it (MLX_AOT_CACHE_DIR) for the whole session."""
+    import os
+
+    from build_tools import compile_kernels
+    from registry.core import backend_of
+
+    backend = backend_of(None)
+    out = tmp_path_factory.mktemp("artifacts")
+    archs = None
+    if backend == "cuda":
+        from registry.native import import_ext
+        archs = [import_ext().cuda_device_arch(0)]
+    report = compile_kernels(targets=(backend,), out_dir=out, archs=archs)
+    assert report.ok, "\n".join(r.message for r in report.results if r.status == "failed")
+    old = os.environ.get("MLX_AOT_CACHE_DIR")
+    os.environ["MLX_AOT_CACHE_DIR"] = str(out)
+    yield out
+    if old is None:
+        os.environ.pop("MLX_AOT_CACHE_DIR", None)
+    else:
+        os.environ["MLX_AOT_CACHE_DIR"] = old

@@ -1,0 +1,168 @@
+"""The native primitive (registry._ext + the compiled artifact of the default device) against the
+reference path and the NumPy oracle: parity matrix, in-place pools, views, ordering, fallbacks.
+On the CPU this runs in CI; tests/gpu/ repeats the device-specific parts on a GPU."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from registry import ArtifactError, KernelRegistry
+from registry.core import SelectionContext, backend_of
+from registry.kernels.rope_pool_fused import build, rope_pool_fused_reference
+from registry.rope import RopeConfig
+from tests._oracle import rope_pool_numpy
+from tests.rope_cases import TOL, make_case, matrix, rope_variant, to_np
+
+SPEC = KernelRegistry.from_yaml().manifest.kernel("rope_pool_fused")
+
+
+def native_kernel(rope: RopeConfig):
+    ctx = SelectionContext(attention="mha", rope=rope, rope_error="", n_heads=0, n_kv_heads=0, head_dim=0,
+                           dtype=None, backend=backend_of(None))
+    kernel = build(SPEC, ctx)
+    assert kernel.implementation == f"native-{ctx.backend}", kernel.reason
+    return kernel
+
+
+def data_ptr(a: mx.array) -> int:
+    mx.eval(a)
+    return np.asarray(a).__array_interface__["data"][0] if a.size else 0
+
+
+@pytest.mark.parametrize("dtype, gqa, head_dim, variant", matrix())
+def test_parity_matrix(native_artifacts, dtype, gqa, head_dim, variant):
+    rope = rope_variant(variant, head_dim)
+    hkv = 2 if gqa < 7 else 1
+    slots = [5, -1, 0, 11, -1, 3, 7]
+    args = make_case(len(slots), hkv * gqa, hkv, head_dim, 12, dtype, slots, seed=head_dim + gqa)
+    expected = rope_pool_numpy(*[to_np(a) for a in args], rope)
+    reference = rope_pool_fused_reference(*args, rope=rope)
+    got = native_kernel(rope)(*args[:5], mx.array(args[5]), mx.array(args[6]))
+    for name, g, r, e in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, reference, expected):
+        assert g.dtype == args[0].dtype and g.shape == r.shape, name
+        np.testing.assert_allclose(to_np(g), e, atol=TOL[dtype], rtol=TOL[dtype], err_msg=f"{name} vs oracle")
+        np.testing.assert_allclose(to_np(g), to_np(r), atol=TOL[dtype], rtol=TOL[dtype], err_msg=f"{name} vs ref")
+    # Features past rotary_dims are copied bit for bit, in the outputs and in the pool.
+    r = rope.rotary_dims
+    assert mx.array_equal(got[0][..., r:], args[0][..., r:])
+    assert mx.array_equal(got[2][mx.array([5, 0, 11, 3, 7])][..., r:], args[1][mx.array([0, 2, 3, 5, 6])][..., r:])
+
+
+def test_pools_are_updated_in_place(native_artifacts):
+    rope = RopeConfig(64)
+    args = make_case(3, 8, 2, 64, 6, "float16", [1, -1, 4])
+    kp, vp = args[5], args[6]
+    before = data_ptr(kp), data_ptr(vp)
+    _, _, kp_new, vp_new = native_kernel(rope)(*args[:5], kp, vp)
+    assert (data_ptr(kp_new), data_ptr(vp_new)) == before        # the same buffers
+    assert mx.array_equal(kp, kp_new) and mx.array_equal(vp, vp_new)  # the passed arrays see the write
+    assert mx.array_equal(vp_new[4], args[2][2])
+
+
+def test_a_view_of_the_pool_forces_a_copy(native_artifacts):
+    rope = RopeConfig(64)
+    args = make_case(2, 4, 2, 64, 6, "float32", [0, 1])
+    kp, vp = args[5], args[6]
+    view = kp[:2]
+    mx.eval(view)
+    snapshot = np.array(view)
+    _, _, kp_new, _ = native_kernel(rope)(*args[:5], kp, vp)
+    mx.eval(kp_new)
+    assert data_ptr(kp_new) != data_ptr(kp)              # written into a copy
+    np.testing.assert_array_equal(np.array(view), snapshot)  # the view never changes
+    np.testing.assert_array_equal(np.array(kp[:2]), snapshot)
+    assert not mx.array_equal(kp_new[:2], kp[:2])
+
+
+def test_reader_of_returned_pool_sees_the_write(native_artifacts):
+    """A consumer that reads only the pool (not q_rot) is ordered after the kernel."""
+    rope = RopeConfig(128)
+    kernel = native_kernel(rope)
+    args = make_case(4, 8, 8, 128, 16, "bfloat16", [3, 9, 12, 0])
+    _, k_rot, kp, vp = kernel(*args)
+    total = mx.sum(kp[mx.array([3, 9, 12, 0])].astype(mx.float32)) + mx.sum(vp[mx.array([3, 9, 12, 0])].astype(mx.float32))
+    want = mx.sum(k_rot.astype(mx.float32)) + mx.sum(args[2].astype(mx.float32))
+    assert abs(total.item() - want.item()) < 1e-2
+
+
+def test_multi_layer_multi_step_chain_matches_reference(native_artifacts):
+    rope = RopeConfig(64, base=1e4)
+    kernel = native_kernel(rope)
+    rng = np.random.default_rng(3)
+    layers, S = 4, 32
+    pools = [[mx.zeros((S, 2, 64), dtype=mx.float16) for _ in range(2)] for _ in range(layers)]
+    ref_pools = [[mx.zeros((S, 2, 64), dtype=mx.float16) for _ in range(2)] for _ in range(layers)]
+    for step in range(3):
+        slots = mx.array(rng.permutation(S)[:5].astype(np.int32))
+        pos = mx.array(np.arange(5, dtype=np.int32) + step * 5)
+        outs = []
+        for layer in range(layers):
+            q, k, v = (mx.array(rng.standard_normal(s).astype(np.float16)) for s in ((5, 8, 64), (5, 2, 64), (5, 2, 64)))
+            q1, _, pools[layer][0], pools[layer][1] = kernel(q, k, v, pos, slots, *pools[layer], check_slots=False)
+            q2, _, ref_pools[layer][0], ref_pools[layer][1] = rope_pool_fused_reference(
+                q, k, v, pos, slots, *ref_pools[layer], rope=rope)
+            outs += [q1, q2]
+        mx.eval(outs, pools, ref_pools)  # one graph per step, as an engine evaluates it
+    for (k1, v1), (k2, v2) in zip(pools, ref_pools):
+        np.testing.assert_allclose(to_np(k1), to_np(k2), atol=6e-3)
+        np.testing.assert_array_equal(to_np(v1), to_np(v2))
+
+
+def test_zero_tokens_and_all_negative_slots(native_artifacts):
+    kernel = native_kernel(RopeConfig(64))
+    empty = make_case(0, 4, 2, 64, 4, "float32", [])
+    out = kernel(*empty)
+    assert out[0].shape == (0, 4, 64) and mx.array_equal(out[2], empty[5])
+    args = make_case(3, 4, 2, 64, 4, "float32", [-1, -1, -1])
+    before = np.array(args[5])
+    out = kernel(*args)
+    np.testing.assert_array_equal(np.array(out[2]), before)
+
+
+def test_out_of_range_slots_never_written(native_artifacts):
+    """With the per-call check off, slots >= pool size are skipped by the kernel itself."""
+    kernel = native_kernel(RopeConfig(64))
+    args = make_case(3, 4, 2, 64, 4, "float32", [4, 1000, 2])
+    before = np.array(args[5])
+    _, _, kp, _ = kernel(*args[:5], mx.array(args[5]), args[6], check_slots=False)
+    np.testing.assert_array_equal(np.array(kp[[0, 1, 3]]), before[[0, 1, 3]])
+
+
+def test_non_contiguous_inputs_are_made_contiguous(native_artifacts):
+    rope = RopeConfig(32)
+    kernel = native_kernel(rope)
+    q, k, v, pos, slots, kp, vp = make_case(6, 4, 2, 32, 8, "float32", [0, 1, 2, 3, 4, 5])
+    qt = mx.array(np.ascontiguousarray(np.array(q).transpose(1, 0, 2))).transpose(1, 0, 2)  # strided view
+    got = kernel(qt, k, v, pos, slots, mx.array(kp), mx.array(vp))
+    want = rope_pool_fused_reference(q, k, v, pos, slots, kp, vp, rope=rope)
+    np.testing.assert_allclose(to_np(got[0]), to_np(want[0]), atol=3e-3)
+
+
+def test_disable_and_require_native(native_artifacts, monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_AOT_DISABLE_NATIVE", "1")
+    ctx = SelectionContext(attention="mha", rope=RopeConfig(64), rope_error="", n_heads=0, n_kv_heads=0,
+                           head_dim=0, dtype=None, backend=backend_of(None))
+    kernel = build(SPEC, ctx)
+    assert kernel.implementation == "reference" and "MLX_AOT_DISABLE_NATIVE" in kernel.reason
+    monkeypatch.delenv("MLX_AOT_DISABLE_NATIVE")
+    monkeypatch.setenv("MLX_AOT_CACHE_DIR", str(tmp_path))     # an empty artifact directory
+    kernel = build(SPEC, ctx)
+    assert kernel.implementation == "reference"
+    assert "python -m build_tools compile --only rope_pool_fused" in kernel.reason
+    monkeypatch.setenv("MLX_AOT_REQUIRE_NATIVE", "1")
+    with pytest.raises(ArtifactError, match="MLX_AOT_REQUIRE_NATIVE is set"):
+        build(SPEC, ctx)
+
+
+def test_launcher_argument_errors(native_artifacts):
+    from registry.errors import KernelArgumentError
+    kernel = native_kernel(RopeConfig(64))
+    launcher = kernel._launcher
+    args = make_case(1, 2, 2, 64, 4, "float32", [0])
+    inputs = dict(zip(("q", "k", "v", "positions", "slots", "k_pool", "v_pool"), args))
+    with pytest.raises(KernelArgumentError, match="missing argument 'inv_freq'"):
+        launcher.launch("float32", inputs, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    with pytest.raises(KernelArgumentError, match="no entry for dtype int8"):
+        launcher.launch("int8", inputs, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1))
