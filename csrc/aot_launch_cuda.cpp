@@ -72,14 +72,14 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   for (size_t b = 0; b < bin_->roles.size(); ++b) {
     if (output_of[b] < 0) {
       enc.set_input_array(inputs[input_of[b]]);
-      ptrs[b] = const_cast<void*>(inputs[input_of[b]].data<void>());
+      ptrs[b] = const_cast<void*>(mx::gpu_ptr<void>(inputs[input_of[b]]));
     }
   }
   for (size_t b = 0; b < bin_->roles.size(); ++b) {
     if (output_of[b] >= 0) {
       if (input_of[b] >= 0) enc.set_input_array(inputs[input_of[b]]);  // in-place: read and written
       enc.set_output_array(outputs[output_of[b]]);
-      ptrs[b] = outputs[output_of[b]].data<void>();
+      ptrs[b] = mx::gpu_ptr<void>(outputs[output_of[b]]);  // device pointer (data<>() would be host-side)
     }
   }
   std::vector<uint32_t> scalars = args_.scalars;

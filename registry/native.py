@@ -69,20 +69,40 @@ class Launcher:
             scalar_types=[1 if f else 0 for f in self._scalar_is_float],
             specialize=[int(s.specialize) for s in sig.scalars])
 
-    def launch(self, dtype: str, inputs: dict[str, mx.array], scalars: dict[str, int | float], *,
-               grid: Sequence[int], threadgroup: Sequence[int], stream: Any = None) -> list[mx.array]:
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(self._input_names)
+
+    def plan(self, dtype: str, scalars: dict[str, int | float], *, grid: Sequence[int],
+             threadgroup: Sequence[int]) -> tuple:
+        """Everything of a launch but the arrays, validated and packed once; reuse it for every call
+        with the same shapes (the per-call cost is then one extension call)."""
         entry = self.entries.get(dtype)
         if entry is None:
             raise KernelArgumentError(f"{self.spec.name}: no entry for dtype {dtype}; the manifest declares "
                                       f"{', '.join(self.entries)}")
         try:
-            arrays = [inputs[n] for n in self._input_names]
             bits = [_f32_bits(n, float(scalars[n])) if f else _i32_bits(n, int(scalars[n]))
                     for n, f in zip(self._scalar_names, self._scalar_is_float)]
         except KeyError as e:
+            raise KernelArgumentError(f"{self.spec.name}: missing scalar {e.args[0]!r}; the signature needs "
+                                      f"{self._scalar_names}") from None
+        return (entry, bits, tuple(grid), tuple(threadgroup))
+
+    def run(self, plan: tuple, arrays: list[mx.array], stream: Any = None) -> list[mx.array]:
+        """Launch with a plan; `arrays` are the signature's inputs in `input_names` order."""
+        entry, bits, grid, group = plan
+        return self._ext.launch(self._binary, entry, arrays, bits, grid, group, stream)
+
+    def launch(self, dtype: str, inputs: dict[str, mx.array], scalars: dict[str, int | float], *,
+               grid: Sequence[int], threadgroup: Sequence[int], stream: Any = None) -> list[mx.array]:
+        """One-off launch by names (plan + run)."""
+        try:
+            arrays = [inputs[n] for n in self._input_names]
+        except KeyError as e:
             raise KernelArgumentError(f"{self.spec.name}: missing argument {e.args[0]!r}; the signature needs "
-                                      f"buffers {self._input_names} and scalars {self._scalar_names}") from None
-        return self._ext.launch(self._binary, entry, arrays, bits, tuple(grid), tuple(threadgroup), stream)
+                                      f"buffers {self._input_names}") from None
+        return self.run(self.plan(dtype, scalars, grid=grid, threadgroup=threadgroup), arrays, stream)
 
 
 def _device_arch(ext) -> str:

@@ -31,7 +31,7 @@ def rope_variant(name: str, head_dim: int) -> RopeConfig:
         return RopeConfig(partial, base=None, periods=tuple([10.0 ** (i / 4) for i in range(half - 2)]
                                                             + [float("inf")] * 2))
     if name == "odd-pairs":  # rotary_dims/2 odd: exercises the narrow-vector paths
-        return RopeConfig(head_dim - 2 if (head_dim - 2) % 4 else head_dim - 6, traditional=False)
+        return RopeConfig(head_dim - 2 if (head_dim - 2) % 4 else head_dim - 6, traditional=head_dim % 128 == 0)
     raise KeyError(name)
 
 

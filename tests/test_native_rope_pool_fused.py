@@ -164,5 +164,11 @@ def test_launcher_argument_errors(native_artifacts):
     inputs = dict(zip(("q", "k", "v", "positions", "slots", "k_pool", "v_pool"), args))
     with pytest.raises(KernelArgumentError, match="missing argument 'inv_freq'"):
         launcher.launch("float32", inputs, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    inputs["inv_freq"] = mx.zeros((32,))
     with pytest.raises(KernelArgumentError, match="no entry for dtype int8"):
         launcher.launch("int8", inputs, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    with pytest.raises(KernelArgumentError, match="missing scalar 'n_tokens'"):
+        launcher.launch("float32", inputs, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    plan = launcher.plan("float32", dict.fromkeys(launcher._scalar_names, 1), grid=(1, 1, 1), threadgroup=(0, 1, 1))
+    with pytest.raises(ValueError, match="threadgroup >= 1"):
+        launcher.run(plan, [inputs[n] for n in launcher.input_names])

@@ -158,9 +158,9 @@ def pick_heads_per_thread(n_q_heads: int, n_kv_heads: int, n_tokens: int) -> int
 
 
 def metal_geometry(n_tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int, rotary_dims: int,
-                   heads_per_thread: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+                   heads_per_thread: int, itemsize: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """(grid in threads, threadgroup) for the Metal kernel; docs/kernel-abi.md spells it out."""
-    del rotary_dims  # every thread owns one feature pair; rotary vs pass-through is decided inside
+    del rotary_dims, itemsize  # every thread owns one feature pair; rotary vs pass-through is decided inside
     hpt = heads_per_thread
     groups = -(-n_q_heads // hpt) + -(-n_kv_heads // hpt)
     gx = head_dim // 2
@@ -169,10 +169,25 @@ def metal_geometry(n_tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int
     return (gx, max(n_tokens, 1), groups), (tx, ty, 1)
 
 
+def cuda_vector_width(head_dim: int, rotary_dims: int, itemsize: int) -> int:
+    """Elements per vector access of the CUDA kernel (its pick_width): 16 bytes when the rotary halves
+    and the pass-through tail start on multiples of it, else narrower, down to 1."""
+    w = 16 // itemsize
+    while w > 1:
+        if rotary_dims % (2 * w) == 0 and (head_dim - rotary_dims) % w == 0:
+            return w
+        w //= 2
+    return 1
+
+
 def cuda_geometry(n_tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int, rotary_dims: int,
-                  heads_per_thread: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(grid in threads, block) for the CUDA kernel; the same decomposition as Metal."""
-    return metal_geometry(n_tokens, n_q_heads, n_kv_heads, head_dim, rotary_dims, heads_per_thread)
+                  heads_per_thread: int, itemsize: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid in threads, block) for the CUDA kernel: x = tokens x vector units of a row, y = head groups."""
+    w = cuda_vector_width(head_dim, rotary_dims, itemsize)
+    units = rotary_dims // (2 * w) + (head_dim - rotary_dims) // w
+    hpt = heads_per_thread
+    groups = -(-n_q_heads // hpt) + -(-n_kv_heads // hpt)
+    return (n_tokens * units, groups, 1), (256, 1, 1)
 
 
 _GEOMETRY = {"metal": metal_geometry, "cuda": cuda_geometry}
@@ -194,6 +209,9 @@ class RopePoolFusedKernel:
     `reason` says why (e.g. which artifact was loaded, or why the native path is unavailable).
     """
 
+    # The signature's inputs in launch order (kernels.yaml: buffers with role input or inplace).
+    _INPUTS = ("q", "k", "v", "k_pool", "v_pool", "positions", "slots", "inv_freq")
+
     def __init__(self, rope: RopeConfig, *, backend: str, device: mx.Device | None = None,
                  launcher: Any = None, reason: str = ""):
         self.rope = rope
@@ -202,7 +220,11 @@ class RopePoolFusedKernel:
         self._launcher = launcher
         self.reason = reason
         self._inv_freq = mx.array(rope.inv_freq())
+        self._plans: dict[tuple, tuple] = {}
         self.enabled = True
+        if launcher is not None and launcher.input_names != self._INPUTS:
+            raise KernelArgumentError(f"rope_pool_fused: kernels.yaml signature inputs {launcher.input_names} "
+                                      f"differ from the wrapper's {self._INPUTS}")
 
     @property
     def implementation(self) -> str:
@@ -212,25 +234,38 @@ class RopePoolFusedKernel:
         return (f"RopePoolFusedKernel(rotary_dims={self.rope.rotary_dims}, traditional={self.rope.traditional}, "
                 f"source={self.rope.source}, implementation={self.implementation})")
 
-    def __call__(self, q, k, v, positions, slots, k_pool, v_pool, *, check_slots: bool = True):
-        validate(q, k, v, positions, slots, k_pool, v_pool, self.rope)
-        if check_slots:
-            validate_slots(slots, k_pool.shape[0])
-        if self._launcher is None:
-            return rope_pool_fused_reference(q, k, v, positions, slots, k_pool, v_pool, rope=self.rope)
+    def _plan(self, q, k, k_pool) -> tuple:
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         hpt = pick_heads_per_thread(Hq, Hkv, T)
         geometry = _GEOMETRY.get(self.backend)
-        grid, group = geometry(T, Hq, Hkv, D, self.rope.rotary_dims, hpt) if geometry else ((1, 1, 1), (1, 1, 1))
+        grid, group = (geometry(T, Hq, Hkv, D, self.rope.rotary_dims, hpt, q.dtype.size) if geometry
+                       else ((1, 1, 1), (1, 1, 1)))
         scalars = dict(n_tokens=T, pool_size=k_pool.shape[0], n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D,
                        rotary_dims=self.rope.rotary_dims, traditional=int(self.rope.traditional),
                        heads_per_thread=hpt, pos_scale=self.rope.pos_scale, mscale=self.rope.mscale)
-        inputs = dict(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, positions=positions, slots=slots,
-                      inv_freq=self._inv_freq)
-        q_rot, k_rot, k_pool, v_pool = self._launcher.launch(
-            _DTYPES[q.dtype], inputs, scalars, grid=grid, threadgroup=group, stream=self.device)
-        return q_rot, k_rot, k_pool, v_pool
+        return self._launcher.plan(_DTYPES[q.dtype], scalars, grid=grid, threadgroup=group)
+
+    def __call__(self, q, k, v, positions, slots, k_pool, v_pool, *, check_slots: bool = True):
+        try:
+            key = (q.shape, k.shape, v.shape, k_pool.shape, v_pool.shape, positions.shape, slots.shape,
+                   q.dtype, k.dtype, v.dtype, k_pool.dtype, v_pool.dtype, positions.dtype, slots.dtype)
+        except AttributeError:
+            key = None
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            # Full validation once per shape signature; later calls with the same shapes reuse it.
+            validate(q, k, v, positions, slots, k_pool, v_pool, self.rope)
+            plan = self._plan(q, k, k_pool) if self._launcher is not None else ()
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = plan
+        if check_slots:
+            validate_slots(slots, k_pool.shape[0])
+        if self._launcher is None:
+            return rope_pool_fused_reference(q, k, v, positions, slots, k_pool, v_pool, rope=self.rope)
+        return tuple(self._launcher.run(plan, [q, k, v, k_pool, v_pool, positions, slots, self._inv_freq],
+                                        self.device))
 
 
 def build(spec, ctx) -> RopePoolFusedKernel:
