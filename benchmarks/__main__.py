@@ -1,0 +1,3 @@
+from .cli import bench
+
+bench(prog_name="python -m benchmarks")
