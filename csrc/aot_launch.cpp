@@ -15,19 +15,21 @@
 
 namespace mlx_aot {
 
-void buffer_slots(const KernelBinary& bin, std::vector<int>& input_of, std::vector<int>& output_of) {
-  input_of.assign(bin.roles.size(), -1);
-  output_of.assign(bin.roles.size(), -1);
+void index_buffers(KernelBinary& bin) {
+  bin.input_of.assign(bin.roles.size(), -1);
+  bin.output_of.assign(bin.roles.size(), -1);
   int ni = 0, no = 0;
   for (size_t b = 0; b < bin.roles.size(); ++b) {
-    if (bin.roles[b] == kInput || bin.roles[b] == kInplace) input_of[b] = ni++;
-    if (bin.roles[b] == kOutput || bin.roles[b] == kInplace) output_of[b] = no++;
+    if (bin.roles[b] == kInput || bin.roles[b] == kInplace) bin.input_of[b] = ni++;
+    if (bin.roles[b] == kOutput || bin.roles[b] == kInplace) bin.output_of[b] = no++;
   }
+  bin.n_inputs = ni;
+  bin.n_outputs = no;
 }
 
 std::vector<mx::Shape> AotLaunch::output_shapes(const std::vector<mx::array>& inputs) {
-  std::vector<int> input_of, output_of;
-  buffer_slots(*bin_, input_of, output_of);
+  const auto& input_of = bin_->input_of;
+  const auto& output_of = bin_->output_of;
   std::vector<mx::Shape> shapes;
   for (size_t b = 0; b < bin_->roles.size(); ++b) {
     if (bin_->roles[b] == kOutput) shapes.push_back(inputs[input_of[bin_->like[b]]].shape());
@@ -44,8 +46,8 @@ bool AotLaunch::is_equivalent(const mx::Primitive& other) const {
 }
 
 void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  std::vector<int> input_of, output_of;
-  buffer_slots(*bin_, input_of, output_of);
+  const auto& input_of = bin_->input_of;
+  const auto& output_of = bin_->output_of;
   for (size_t b = 0; b < bin_->roles.size(); ++b) {
     if (bin_->roles[b] == kOutput) {
       auto& out = outputs[output_of[b]];
@@ -67,19 +69,18 @@ void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vecto
 
 // ----------------------------------------------------------------------------- launch (op level)
 
-std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, LaunchArgs args,
+std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args,
                               std::vector<mx::array> inputs, mx::StreamOrDevice s) {
   if (static_cast<int>(inputs.size()) != bin->n_inputs) {
-    throw std::invalid_argument("[mlx_aot] " + args.entry + ": expected " + std::to_string(bin->n_inputs) +
+    throw std::invalid_argument("[mlx_aot] " + args->entry + ": expected " + std::to_string(bin->n_inputs) +
                                 " input arrays, got " + std::to_string(inputs.size()));
   }
-  if (args.scalars.size() != bin->scalar_types.size()) {
-    throw std::invalid_argument("[mlx_aot] " + args.entry + ": expected " +
+  if (args->scalars.size() != bin->scalar_types.size()) {
+    throw std::invalid_argument("[mlx_aot] " + args->entry + ": expected " +
                                 std::to_string(bin->scalar_types.size()) + " scalars, got " +
-                                std::to_string(args.scalars.size()));
+                                std::to_string(args->scalars.size()));
   }
-  std::vector<int> input_of, output_of;
-  buffer_slots(*bin, input_of, output_of);
+  const auto& input_of = bin->input_of;
   for (size_t b = 0; b < bin->roles.size(); ++b) {
     if (input_of[b] < 0) continue;
     auto& a = inputs[input_of[b]];
@@ -155,8 +156,8 @@ void AotLaunch::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   }
   prepare_outputs(inputs, outputs);
   auto& enc = mx::cpu::get_command_encoder(stream());
-  std::vector<int> input_of, output_of;
-  buffer_slots(*bin_, input_of, output_of);
+  const auto& input_of = bin_->input_of;
+  const auto& output_of = bin_->output_of;
   std::vector<void*> ptrs(bin_->roles.size());
   for (size_t b = 0; b < bin_->roles.size(); ++b) {
     if (output_of[b] >= 0) {

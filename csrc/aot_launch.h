@@ -31,6 +31,8 @@ struct KernelBinary {
   std::vector<int> specialize;     // per scalar: 1 = Metal function constant
   int n_inputs = 0;                // buffers with role input or inplace
   int n_outputs = 0;               // buffers with role output or inplace
+  std::vector<int> input_of;       // per buffer: index among the primitive's inputs, or -1
+  std::vector<int> output_of;      // per buffer: index among the primitive's outputs, or -1
 };
 
 // Per call: entry symbol (per dtype), scalar values (raw 32-bit patterns) and launch geometry.
@@ -43,8 +45,8 @@ struct LaunchArgs {
 
 class AotLaunch : public mx::Primitive {
  public:
-  AotLaunch(mx::Stream stream, std::shared_ptr<const KernelBinary> bin, LaunchArgs args)
-      : mx::Primitive(stream), bin_(std::move(bin)), args_(std::move(args)) {}
+  AotLaunch(mx::Stream stream, std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args)
+      : mx::Primitive(stream), bin_(std::move(bin)), args_ptr_(std::move(args)), args_(*args_ptr_) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -59,16 +61,17 @@ class AotLaunch : public mx::Primitive {
   // Outputs get their buffers: fresh allocations, or the aliased input's buffer for in-place roles.
   void prepare_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs);
   std::shared_ptr<const KernelBinary> bin_;
-  LaunchArgs args_;
+  std::shared_ptr<const LaunchArgs> args_ptr_;  // shared by every launch of one plan
+  const LaunchArgs& args_;
 };
 
 // Build the lazy launch: validates counts and dtypes, makes inputs row-contiguous, copies an
 // in-place input that another evaluated array shares (a view), returns outputs in signature order.
-std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, LaunchArgs args,
+std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args,
                               std::vector<mx::array> inputs, mx::StreamOrDevice s = {});
 
-// The buffer -> input/output index maps of a signature.
-void buffer_slots(const KernelBinary& bin, std::vector<int>& input_of, std::vector<int>& output_of);
+// Fill n_inputs/n_outputs and the buffer -> input/output index maps from the roles (once, at load).
+void index_buffers(KernelBinary& bin);
 
 // Device compute capability as "sm_XY" for CUDA builds, "" elsewhere.
 std::string cuda_device_arch(int device);

@@ -66,8 +66,8 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   auto& enc = mx::cu::get_command_encoder(stream());
   enc.device().make_current();
   CUfunction fn = cuda_function(*bin_, args_.entry, enc.device().cuda_device());
-  std::vector<int> input_of, output_of;
-  buffer_slots(*bin_, input_of, output_of);
+  const auto& input_of = bin_->input_of;
+  const auto& output_of = bin_->output_of;
   std::vector<void*> ptrs(bin_->roles.size());
   for (size_t b = 0; b < bin_->roles.size(); ++b) {
     if (output_of[b] < 0) {

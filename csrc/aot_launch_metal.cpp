@@ -34,8 +34,8 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
 
   auto& enc = mx::metal::get_command_encoder(stream());
   enc.set_compute_pipeline_state(kernel);
-  std::vector<int> input_of, output_of;
-  buffer_slots(*bin_, input_of, output_of);
+  const auto& input_of = bin_->input_of;
+  const auto& output_of = bin_->output_of;
   const int n_buffers = static_cast<int>(bin_->roles.size());
   for (int b = 0; b < n_buffers; ++b) {
     if (output_of[b] >= 0) {

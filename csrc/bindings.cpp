@@ -34,32 +34,37 @@ NB_MODULE(_ext, m) {
              for (size_t i = 0; i < b->roles.size(); ++i) {
                int r = b->roles[i];
                if (r < 0 || r > 2) throw std::invalid_argument("role must be 0 (input), 1 (output) or 2 (inplace)");
-               if (r != mlx_aot::kOutput) b->n_inputs++;
-               if (r != mlx_aot::kInput) b->n_outputs++;
                if (r == mlx_aot::kOutput &&
                    (b->like[i] < 0 || b->like[i] >= static_cast<int>(i) || b->roles[b->like[i]] == mlx_aot::kOutput))
                  throw std::invalid_argument("output buffer " + std::to_string(i) + " needs `like` = an earlier input");
              }
+             mlx_aot::index_buffers(*b);
            },
            "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a)
       .def_ro("key", &KernelBinary::key)
       .def_ro("path", &KernelBinary::path)
       .def_ro("target", &KernelBinary::target);
 
+  nb::class_<LaunchArgs>(m, "LaunchArgs")
+      .def("__init__",
+           [](LaunchArgs* self, std::string entry, std::vector<uint32_t> scalars, std::array<int, 3> grid,
+              std::array<int, 3> group) {
+             for (int i = 0; i < 3; ++i) {
+               if (grid[i] < 0 || group[i] < 1)
+                 throw std::invalid_argument("grid must be >= 0 and threadgroup >= 1 on every axis");
+             }
+             new (self) LaunchArgs{std::move(entry), std::move(scalars), grid, group};
+           },
+           "entry"_a, "scalars"_a, "grid"_a, "threadgroup"_a,
+           "A launch plan: entry symbol, scalar bit patterns, grid (threads) and threadgroup.")
+      .def_ro("entry", &LaunchArgs::entry);
+
   m.def(
       "launch",
-      [](std::shared_ptr<KernelBinary> bin, std::string entry, std::vector<mlx::core::array> inputs,
-         std::vector<uint32_t> scalars, std::array<int, 3> grid, std::array<int, 3> group,
-         mlx::core::StreamOrDevice s) {
-        LaunchArgs args{std::move(entry), std::move(scalars), grid, group};
-        for (int i = 0; i < 3; ++i) {
-          if (grid[i] < 0 || group[i] < 1)
-            throw std::invalid_argument("grid must be >= 0 and threadgroup >= 1 on every axis");
-        }
-        return mlx_aot::launch(std::move(bin), std::move(args), std::move(inputs), s);
-      },
-      "binary"_a, "entry"_a, "inputs"_a, "scalars"_a, "grid"_a, "threadgroup"_a, "stream"_a = nb::none(),
-      "Lazily launch `entry` of the artifact; returns the outputs in signature order.");
+      [](std::shared_ptr<KernelBinary> bin, std::shared_ptr<LaunchArgs> args, std::vector<mlx::core::array> inputs,
+         mlx::core::StreamOrDevice s) { return mlx_aot::launch(std::move(bin), std::move(args), std::move(inputs), s); },
+      "binary"_a, "args"_a, "inputs"_a, "stream"_a = nb::none(),
+      "Lazily launch a plan on the artifact; returns the outputs in signature order.");
 
   m.def("cuda_device_arch", &mlx_aot::cuda_device_arch, "device"_a = 0,
         "Compute capability of a CUDA device as 'sm_XY' ('' without CUDA).");

@@ -70,11 +70,17 @@ class Launcher:
             specialize=[int(s.specialize) for s in sig.scalars])
 
     @property
+    def raw_launch(self) -> tuple[Any, Any]:
+        """(launch function, binary) for wrappers' hot paths: launch(binary, plan, arrays, stream) with a
+        plan from `plan()` and arrays in `input_names` order."""
+        return self._ext.launch, self._binary
+
+    @property
     def input_names(self) -> tuple[str, ...]:
         return tuple(self._input_names)
 
     def plan(self, dtype: str, scalars: dict[str, int | float], *, grid: Sequence[int],
-             threadgroup: Sequence[int]) -> tuple:
+             threadgroup: Sequence[int]) -> Any:
         """Everything of a launch but the arrays, validated and packed once; reuse it for every call
         with the same shapes (the per-call cost is then one extension call)."""
         entry = self.entries.get(dtype)
@@ -87,12 +93,11 @@ class Launcher:
         except KeyError as e:
             raise KernelArgumentError(f"{self.spec.name}: missing scalar {e.args[0]!r}; the signature needs "
                                       f"{self._scalar_names}") from None
-        return (entry, bits, tuple(grid), tuple(threadgroup))
+        return self._ext.LaunchArgs(entry, bits, tuple(grid), tuple(threadgroup))
 
-    def run(self, plan: tuple, arrays: list[mx.array], stream: Any = None) -> list[mx.array]:
+    def run(self, plan: Any, arrays: list[mx.array], stream: Any = None) -> list[mx.array]:
         """Launch with a plan; `arrays` are the signature's inputs in `input_names` order."""
-        entry, bits, grid, group = plan
-        return self._ext.launch(self._binary, entry, arrays, bits, grid, group, stream)
+        return self._ext.launch(self._binary, plan, arrays, stream)
 
     def launch(self, dtype: str, inputs: dict[str, mx.array], scalars: dict[str, int | float], *,
                grid: Sequence[int], threadgroup: Sequence[int], stream: Any = None) -> list[mx.array]:

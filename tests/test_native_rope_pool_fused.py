@@ -169,6 +169,7 @@ def test_launcher_argument_errors(native_artifacts):
         launcher.launch("int8", inputs, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1))
     with pytest.raises(KernelArgumentError, match="missing scalar 'n_tokens'"):
         launcher.launch("float32", inputs, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1))
-    plan = launcher.plan("float32", dict.fromkeys(launcher._scalar_names, 1), grid=(1, 1, 1), threadgroup=(0, 1, 1))
     with pytest.raises(ValueError, match="threadgroup >= 1"):
-        launcher.run(plan, [inputs[n] for n in launcher.input_names])
+        launcher.plan("float32", dict.fromkeys(launcher.spec.signature.scalars and
+                                               [s.name for s in launcher.spec.signature.scalars], 1),
+                      grid=(1, 1, 1), threadgroup=(0, 1, 1))

@@ -191,6 +191,7 @@ def cuda_geometry(n_tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int,
 
 
 _GEOMETRY = {"metal": metal_geometry, "cuda": cuda_geometry}
+_REFERENCE = object()  # the plan of a kernel object without a native launcher
 
 
 # ----------------------------------------------------------------------------- kernel object
@@ -222,9 +223,11 @@ class RopePoolFusedKernel:
         self._inv_freq = mx.array(rope.inv_freq())
         self._plans: dict[tuple, tuple] = {}
         self.enabled = True
-        if launcher is not None and launcher.input_names != self._INPUTS:
-            raise KernelArgumentError(f"rope_pool_fused: kernels.yaml signature inputs {launcher.input_names} "
-                                      f"differ from the wrapper's {self._INPUTS}")
+        if launcher is not None:
+            if launcher.input_names != self._INPUTS:
+                raise KernelArgumentError(f"rope_pool_fused: kernels.yaml signature inputs {launcher.input_names} "
+                                          f"differ from the wrapper's {self._INPUTS}")
+            self._launch, self._binary = launcher.raw_launch
 
     @property
     def implementation(self) -> str:
@@ -247,25 +250,27 @@ class RopePoolFusedKernel:
         return self._launcher.plan(_DTYPES[q.dtype], scalars, grid=grid, threadgroup=group)
 
     def __call__(self, q, k, v, positions, slots, k_pool, v_pool, *, check_slots: bool = True):
+        # Hot path: one dict lookup on the shape/dtype signature, then one extension call.
         try:
             key = (q.shape, k.shape, v.shape, k_pool.shape, v_pool.shape, positions.shape, slots.shape,
                    q.dtype, k.dtype, v.dtype, k_pool.dtype, v_pool.dtype, positions.dtype, slots.dtype)
         except AttributeError:
             key = None
-        plan = self._plans.get(key) if key is not None else None
+        plan = self._plans.get(key)
         if plan is None:
             # Full validation once per shape signature; later calls with the same shapes reuse it.
             validate(q, k, v, positions, slots, k_pool, v_pool, self.rope)
-            plan = self._plan(q, k, k_pool) if self._launcher is not None else ()
+            plan = self._plan(q, k, k_pool) if self._launcher is not None else _REFERENCE
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = plan
         if check_slots:
             validate_slots(slots, k_pool.shape[0])
-        if self._launcher is None:
+        if plan is _REFERENCE:
             return rope_pool_fused_reference(q, k, v, positions, slots, k_pool, v_pool, rope=self.rope)
-        return tuple(self._launcher.run(plan, [q, k, v, k_pool, v_pool, positions, slots, self._inv_freq],
-                                        self.device))
+        q_rot, k_rot, k_pool, v_pool = self._launch(
+            self._binary, plan, [q, k, v, k_pool, v_pool, positions, slots, self._inv_freq], self.device)
+        return q_rot, k_rot, k_pool, v_pool
 
 
 def build(spec, ctx) -> RopePoolFusedKernel:
