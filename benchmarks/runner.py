@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import itertools
 import platform
 import statistics
@@ -56,18 +57,23 @@ class Cell:
         return d
 
 
-def time_step(fn: Callable[[], None], steps: int, warmup: int) -> float:
-    """Median seconds of one step (graph building + evaluation), after `warmup` untimed steps."""
-    for _ in range(warmup):
-        fn()
+def time_steps(fns: dict[str, Callable[[], None]], steps: int, warmup: int, rounds: int = 3) -> dict[str, float]:
+    """Median seconds of one step (graph building + evaluation) per case. Cases are timed in
+    interleaved rounds so that a transient slowdown of the host hits every case alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     mx.synchronize()
-    samples = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        mx.synchronize()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    per_round = max(1, -(-steps // rounds))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                fn()
+                mx.synchronize()
+                samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def host_info() -> dict:
@@ -85,6 +91,8 @@ def host_info() -> dict:
                                         cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except OSError:
         info["commit"] = None
+    # A copy of the tree without .git (e.g. a remote benchmark host) can be told its commit.
+    info["commit"] = info["commit"] or os.environ.get("GIT_COMMIT")
     return info
 
 
@@ -108,10 +116,9 @@ def run(shapes, tokens, dtypes, variants, cases=CASES, layers: int = 32, steps: 
         mx.eval(copy_src)
         fns = step_fns(kernel, rope, data, positions, slots, copy_src)
         cell = Cell(shape_name, T, dtype_name, variant, kernel.implementation, bytes_per_layer=nbytes)
-        for case in cases:
-            if case == "seed_loop" and T > SEED_LOOP_MAX_T:
-                continue
-            cell.us_per_layer[case] = time_step(fns[case], steps, warmup) / layers * 1e6
+        chosen = {c: fns[c] for c in cases if not (c == "seed_loop" and T > SEED_LOOP_MAX_T)}
+        for case, seconds in time_steps(chosen, steps, warmup).items():
+            cell.us_per_layer[case] = seconds / layers * 1e6
         cells.append(cell)
         if progress:
             progress(i, len(grid), cell)

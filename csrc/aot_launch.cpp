@@ -169,8 +169,8 @@ void AotLaunch::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     }
   }
   CpuEntry fn = cpu_entry(bin_->path, args_.entry);
-  // The task owns copies of the pointers and scalars; the arrays stay alive through the encoder.
-  enc.add_temporaries(std::vector<mx::array>(inputs));
+  // The task owns copies of the pointers and scalars; MLX's CPU eval keeps the input buffers alive
+  // until the task has run.
   enc.dispatch([fn, ptrs = std::move(ptrs), scalars = args_.scalars]() mutable {
     std::vector<void*> argv(ptrs.size() + scalars.size());
     for (size_t i = 0; i < ptrs.size(); ++i) argv[i] = &ptrs[i];

@@ -68,6 +68,10 @@ NB_MODULE(_ext, m) {
 
   m.def("cuda_device_arch", &mlx_aot::cuda_device_arch, "device"_a = 0,
         "Compute capability of a CUDA device as 'sm_XY' ('' without CUDA).");
+  m.def(
+      "buffer_owners",
+      [](const mlx::core::array& a) -> long { return a.is_available() ? a.data_shared_ptr().use_count() : -1; },
+      "a"_a, "How many arrays share this evaluated array's buffer (-1 if not evaluated): the in-place check.");
   m.def("built_with_cuda", &mlx_aot::built_with_cuda);
   m.def("built_with_metal", &mlx_aot::built_with_metal);
 }

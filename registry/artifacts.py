@@ -96,12 +96,15 @@ def dependency_files(spec: KernelSpec, target: str) -> list[Path]:
 
 
 def source_digest(spec: KernelSpec, target: str) -> str:
-    """sha256 over everything that defines the kernel's code for `target`, toolchain excluded:
-    the manifest entry (canonical JSON), the bytes of every source and included header (keyed by
-    path relative to the manifest), the package version and the key schema."""
+    """sha256 over everything that defines the kernel's code for `target`, toolchain excluded: the
+    manifest fields that reach the binary (name, signature, entries, the target's block; not
+    description, enable, requires or prefer, which change selection, not code), the bytes of every
+    source and included header (keyed by path relative to the manifest), the package version and
+    the key schema."""
     h = hashlib.sha256()
+    entry = {k: spec.raw.get(k) for k in ("name", "signature", "entries", target)}
     h.update(json.dumps({"key_schema": KEY_SCHEMA_VERSION, "package": __version__, "target": target,
-                         "entry": spec.raw}, sort_keys=True, separators=(",", ":")).encode())
+                         "entry": entry}, sort_keys=True, separators=(",", ":")).encode())
     root = spec.root.resolve()
     for path in dependency_files(spec, target):
         try:
