@@ -1,0 +1,1 @@
+"""Integrations of the registry with inference stacks: mlx-lm models and a slot-pool engine."""
