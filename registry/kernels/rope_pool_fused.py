@@ -150,11 +150,11 @@ def rope_pool_fused_reference(q, k, v, positions, slots, k_pool, v_pool, *, rope
 # ----------------------------------------------------------------------------- launch geometry
 
 def pick_heads_per_thread(n_q_heads: int, n_kv_heads: int, n_tokens: int) -> int:
-    """Heads one thread rotates with one cos/sin pair. More heads per thread amortise the
-    trigonometry; fewer keep enough threads in flight for tiny decode batches."""
-    if n_tokens * (n_q_heads + n_kv_heads) <= 64:
-        return 1
-    return min(4, max(1, n_kv_heads))
+    """Heads one thread rotates with one cos/sin computation. Small batches want every head on its
+    own thread (latency); large ones amortise the trigonometry over 4 heads (the last group of a
+    head count that 4 does not divide is partial: threads bound-check)."""
+    del n_kv_heads
+    return 1 if n_tokens * n_q_heads <= 4096 else 4
 
 
 def metal_geometry(n_tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int, rotary_dims: int,
