@@ -63,7 +63,9 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
     click.echo("")
     for name, met, evidence in report.targets(cells, info["backend"]):
         click.echo(f"{'MET    ' if met else 'NOT MET'} {name}: {evidence}")
-    command = "python -m build_tools bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    args = sys.argv[1:]
+    prog = "python -m build_tools" if args[:1] == ["bench"] else "python -m benchmarks"
+    command = " ".join([prog, *(shlex.quote(a) for a in args)])
     if json_path:
         report.write_json(json_path, cells, info, command)
         click.echo(f"wrote {json_path}", err=True)

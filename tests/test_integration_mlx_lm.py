@@ -55,9 +55,11 @@ def test_float32_greedy_tokens_identical(native_artifacts, models, arch, monkeyp
         toks, logits = mlx_lm_greedy(model, prompt, NEW_TOKENS)
         assert fused["tokens"][i] == toks, f"{arch}: request {i} fused engine vs mlx-lm"
         assert reference["tokens"][i] == toks, f"{arch}: request {i} reference engine vs mlx-lm"
-        # Logits agree to fp32 round-off (the engine attends over gathered pool rows, mlx-lm over its cache).
-        np.testing.assert_allclose(fused["logits"][i], logits, atol=2e-4, rtol=1e-3, err_msg=arch)
-        np.testing.assert_allclose(reference["logits"][i], logits, atol=2e-4, rtol=1e-3, err_msg=arch)
+        # Logits agree to fp32 round-off on the CPU. On a GPU, float32 matmuls run in TF32 (10-bit
+        # mantissa), and a batch of 3 decode rows takes another GEMM path than mlx-lm's batch of 1.
+        atol = 2e-4 if backend_of(None) == "cpu" else 1e-2
+        np.testing.assert_allclose(fused["logits"][i], logits, atol=atol, rtol=1e-3, err_msg=arch)
+        np.testing.assert_allclose(reference["logits"][i], logits, atol=atol, rtol=1e-3, err_msg=arch)
 
 
 def test_engine_uses_the_fused_kernel_where_selected(native_artifacts, models):
