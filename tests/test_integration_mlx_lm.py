@@ -51,15 +51,21 @@ def test_float32_greedy_tokens_identical(native_artifacts, models, arch, monkeyp
     fused = SlotEngine(model).generate(PROMPTS, NEW_TOKENS, collect_logits=True)
     monkeypatch.setenv("MLX_AOT_DISABLE_NATIVE", "1")
     reference = SlotEngine(model).generate(PROMPTS, NEW_TOKENS, collect_logits=True)
+    # CPU: exact tokens, logits to fp32 round-off. GPU: float32 matmuls may run in TF32 and a batch of
+    # 3 decode rows takes another GEMM path than mlx-lm's batch of 1, so logits differ by up to ~5e-3;
+    # tokens must agree up to the first step where mlx-lm's own top-2 margin is below that noise.
+    atol = 2e-4 if backend_of(None) == "cpu" else 1e-2
     for i, prompt in enumerate(PROMPTS):
         toks, logits = mlx_lm_greedy(model, prompt, NEW_TOKENS)
-        assert fused["tokens"][i] == toks, f"{arch}: request {i} fused engine vs mlx-lm"
-        assert reference["tokens"][i] == toks, f"{arch}: request {i} reference engine vs mlx-lm"
-        # Logits agree to fp32 round-off on the CPU. On a GPU, float32 matmuls run in TF32 (10-bit
-        # mantissa), and a batch of 3 decode rows takes another GEMM path than mlx-lm's batch of 1.
-        atol = 2e-4 if backend_of(None) == "cpu" else 1e-2
-        np.testing.assert_allclose(fused["logits"][i], logits, atol=atol, rtol=1e-3, err_msg=arch)
-        np.testing.assert_allclose(reference["logits"][i], logits, atol=atol, rtol=1e-3, err_msg=arch)
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        near_tie = np.nonzero(top2[:, 1] - top2[:, 0] < 2 * atol)[0]
+        n = NEW_TOKENS if backend_of(None) == "cpu" or not len(near_tie) else int(near_tie[0])
+        for name, run in (("fused", fused), ("reference", reference)):
+            assert run["tokens"][i][:n] == toks[:n], f"{arch}: request {i} {name} engine vs mlx-lm"
+            # Logits of the step after the last compared token still share its history.
+            m = min(n + 1, NEW_TOKENS)
+            np.testing.assert_allclose(run["logits"][i][:m], logits[:m], atol=atol, rtol=1e-3,
+                                       err_msg=f"{arch} {name}")
 
 
 def test_engine_uses_the_fused_kernel_where_selected(native_artifacts, models):
