@@ -1,0 +1,28 @@
+"""Probe (not a test): who still owns a pool's buffer when the next call is built, after mx.eval and
+under mx.async_eval pipelining, on the default device. Informs the in-place decision (docs/native.md)."""
+import mlx.core as mx
+import numpy as np
+
+from registry.native import import_ext
+from registry.rope import RopeConfig
+from tests.test_native_rope_pool_fused import native_kernel
+
+ext = import_ext()
+kernel = native_kernel(RopeConfig(128))
+T, S = 8, 4096
+q, k, v = (mx.random.normal(s).astype(mx.bfloat16) for s in ((T, 32, 128), (T, 8, 128), (T, 8, 128)))
+kp, vp = mx.zeros((S, 8, 128), mx.bfloat16), mx.zeros((S, 8, 128), mx.bfloat16)
+pos = mx.arange(T, dtype=mx.int32)
+mx.eval(q, k, v, kp, vp, pos)
+ptr = lambda a: np.asarray(a.view(mx.uint16)).__array_interface__["data"][0]
+p0 = ptr(kp)
+for mode in ("eval", "async_eval"):
+    seen = []
+    for i in range(6):
+        seen.append((kp.is_available() if hasattr(kp, "is_available") else None, ext.buffer_owners(kp)))
+        slots = mx.arange(T, dtype=mx.int32) + i * T
+        _, _, kp, vp = kernel(q, k, v, pos, slots, kp, vp, check_slots=False)
+        y = mx.sum(kp[: (i + 1) * T].astype(mx.float32))
+        (mx.eval if mode == "eval" else mx.async_eval)(y)
+    mx.eval(kp)
+    print(mode, "owners before each call:", seen, "same buffer at the end:", ptr(kp) == p0)
