@@ -1,7 +1,9 @@
 """What the benchmark measures: shapes, RoPE variants and the competing implementations.
 
-Every case runs one layer's worth of work; the runner chains `layers` of them (distinct inputs and
-pools per layer) into one step evaluated once, as an engine's decode or prefill step would be.
+Every case does one layer's worth of work; the runner chains `layers` of them (distinct inputs, pools
+and copy sources per layer) into one step that is evaluated once, as an engine's decode or prefill
+step would be. Each builder returns the step's outputs without evaluating them, so the runner can
+time graph building and evaluation separately.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import mlx.core as mx
 import numpy as np
 
 from registry.rope import RopeConfig
+
+
+class BenchmarkError(RuntimeError):
+    """The benchmark cannot produce a trustworthy number (e.g. the fused kernel disagrees with MLX)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,10 @@ DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 VARIANTS = ("base", "freqs", "traditional")
 CASES = ("fused", "mlx", "seed_loop", "trivial", "copy")
 SEED_LOOP_MAX_T = 32   # the per-request loop is only meaningful (and affordable) for small batches
+# Agreement of fused vs MLX's path before timing (one rounding of each to the storage dtype, fp32
+# angles at positions of a few thousand): as tests/rope_cases.py.
+AGREEMENT_TOL = {"float32": 3e-3, "float16": 6e-3, "bfloat16": 3e-2}
+FIRST_POSITION = 3000  # positions continue a context of a few thousand tokens
 
 
 def rope_for(shape: Shape, variant: str) -> RopeConfig:
@@ -51,32 +61,9 @@ def rope_for(shape: Shape, variant: str) -> RopeConfig:
     raise KeyError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
 
 
-@dataclass
-class LayerData:
-    q: mx.array
-    k: mx.array
-    v: mx.array
-    k_pool: mx.array
-    v_pool: mx.array
-
-
-def make_layers(shape: Shape, T: int, dtype, layers: int, seed: int = 0) -> tuple[list[LayerData], mx.array, mx.array]:
-    """Distinct per-layer inputs and pools (pool size max(4096, 2T)); slots are a permutation so that
-    every token writes its own row, positions continue a context of a few thousand tokens."""
-    S = max(4096, 2 * T)
-    out = []
-    for i in range(layers):
-        ks = mx.random.split(mx.random.key(seed * 1000 + i), 3)
-        mk = lambda k, *s: mx.random.normal(s, key=k).astype(dtype)
-        out.append(LayerData(mk(ks[0], T, shape.n_q_heads, shape.head_dim), mk(ks[1], T, shape.n_kv_heads, shape.head_dim),
-                             mk(ks[2], T, shape.n_kv_heads, shape.head_dim),
-                             mx.zeros((S, shape.n_kv_heads, shape.head_dim), dtype=dtype),
-                             mx.zeros((S, shape.n_kv_heads, shape.head_dim), dtype=dtype)))
-    rng = np.random.default_rng(seed)
-    slots = mx.array(rng.permutation(S)[:T].astype(np.int32))
-    positions = mx.array((3000 + np.arange(T)).astype(np.int32))
-    mx.eval([[d.q, d.k, d.v, d.k_pool, d.v_pool] for d in out], slots, positions)
-    return out, positions, slots
+def pool_size(T: int) -> int:
+    """Pool rows: room for the step's tokens with headroom, never a toy pool."""
+    return max(4096, 2 * T)
 
 
 def bytes_moved(shape: Shape, T: int, itemsize: int) -> int:
@@ -87,56 +74,124 @@ def bytes_moved(shape: Shape, T: int, itemsize: int) -> int:
     return (2 * q + 3 * kv + 2 * kv) * itemsize
 
 
+def copy_elements(shape: Shape, T: int) -> int:
+    """Elements of the copy floor's source: copying it reads and writes bytes_moved() bytes in all."""
+    q = T * shape.n_q_heads * shape.head_dim
+    kv = T * shape.n_kv_heads * shape.head_dim
+    return q + (5 * kv + 1) // 2
+
+
+@dataclass
+class LayerData:
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    k_pool: mx.array
+    v_pool: mx.array
+    copy_src: mx.array
+
+
+def make_layers(shape: Shape, T: int, dtype, layers: int, seed: int = 0
+                ) -> tuple[list[LayerData], mx.array, mx.array]:
+    """Distinct per-layer inputs, pools and copy sources, all evaluated (so a step times only its own
+    kernels, and no layer reads another layer's data from cache). Slots are a random injection into
+    the pool so every token writes its own row; positions start at FIRST_POSITION."""
+    S = pool_size(T)
+    n_copy = copy_elements(shape, T)
+    out = []
+    for i in range(layers):
+        ks = mx.random.split(mx.random.key(seed * 1000 + i), 4)
+        mk = lambda key, *s: mx.random.normal(s, key=key).astype(dtype)
+        out.append(LayerData(mk(ks[0], T, shape.n_q_heads, shape.head_dim),
+                             mk(ks[1], T, shape.n_kv_heads, shape.head_dim),
+                             mk(ks[2], T, shape.n_kv_heads, shape.head_dim),
+                             mx.zeros((S, shape.n_kv_heads, shape.head_dim), dtype=dtype),
+                             mx.zeros((S, shape.n_kv_heads, shape.head_dim), dtype=dtype),
+                             mk(ks[3], n_copy)))
+        mx.eval(out[-1].q, out[-1].k, out[-1].v, out[-1].k_pool, out[-1].v_pool, out[-1].copy_src)
+    rng = np.random.default_rng(seed)
+    slots = mx.array(rng.permutation(S)[:T].astype(np.int32))
+    positions = mx.array((FIRST_POSITION + np.arange(T)).astype(np.int32))
+    mx.eval(slots, positions)
+    return out, positions, slots
+
+
 def _mlx_rotate(x: mx.array, positions: mx.array, rope: RopeConfig, periods: mx.array | None) -> mx.array:
     kw = dict(base=rope.base) if periods is None else dict(base=None, freqs=periods)
     return mx.fast.rope(x[:, :, None, :], rope.rotary_dims, traditional=rope.traditional, scale=rope.pos_scale,
                         offset=positions, **kw)[:, :, 0, :]
 
 
-def step_fns(kernel, rope: RopeConfig, layers: list[LayerData], positions: mx.array, slots: mx.array,
-             copy_src: mx.array) -> dict[str, Callable[[], None]]:
-    """One callable per case; each builds the whole multi-layer step and evaluates it once."""
+def mlx_layer(d: LayerData, positions, slots, rope: RopeConfig, periods) -> list[mx.array]:
+    """MLX's own path for one layer: mx.fast.rope on q and k with per-token offsets, then the two
+    scatters. `d` is the pools' only owner, so MLX donates the pool buffers and scatters in place."""
+    q = _mlx_rotate(d.q, positions, rope, periods)
+    k = _mlx_rotate(d.k, positions, rope, periods)
+    d.k_pool[slots] = k
+    d.v_pool[slots] = d.v
+    return [q, k, d.k_pool, d.v_pool]
+
+
+def fused_layer(kernel, d: LayerData, positions, slots) -> list[mx.array]:
+    q, k, d.k_pool, d.v_pool = kernel(d.q, d.k, d.v, positions, slots, d.k_pool, d.v_pool, check_slots=False)
+    return [q, k, d.k_pool, d.v_pool]
+
+
+def step_builders(kernel, rope: RopeConfig, layers: list[LayerData], positions: mx.array, slots: mx.array
+                  ) -> dict[str, Callable[[], list[mx.array]]]:
+    """One callable per case; each builds the whole multi-layer step lazily and returns what to evaluate."""
     periods = None if rope.periods is None else mx.array(rope.periods_array())
-    T = positions.shape[0]
+    host_slots = [int(s) for s in np.array(slots)]  # the seed looked slots up on the host
 
     def fused():
-        outs = []
-        for d in layers:
-            q, k, d.k_pool, d.v_pool = kernel(d.q, d.k, d.v, positions, slots, d.k_pool, d.v_pool, check_slots=False)
-            outs += [q, k, d.k_pool, d.v_pool]
-        mx.eval(outs)
+        return [a for d in layers for a in fused_layer(kernel, d, positions, slots)]
 
     def mlx_path():
-        # MLX's own path: mx.fast.rope with per-token offsets on q and k, then two scatters. The pools
-        # have one owner (each layer's LayerData), so the scatters update them in place.
+        return [a for d in layers for a in mlx_layer(d, positions, slots, rope, periods)]
+
+    def seed_loop():
+        # The seed design's decode path: vectorised mx.fast.rope on q and k, then a Python loop over
+        # the requests writing each one's K and V row at its (host-known) slot: 2 + 2T ops per layer.
         outs = []
         for d in layers:
             q = _mlx_rotate(d.q, positions, rope, periods)
             k = _mlx_rotate(d.k, positions, rope, periods)
-            d.k_pool[slots] = k
-            d.v_pool[slots] = d.v
+            for t, s in enumerate(host_slots):
+                d.k_pool[s] = k[t]
+                d.v_pool[s] = d.v[t]
             outs += [q, k, d.k_pool, d.v_pool]
-        mx.eval(outs)
-
-    def seed_loop():
-        # The seed's pre-kernel decode path: one rope call and one pool write per request.
-        outs = []
-        for d in layers:
-            for t in range(T):
-                pos = positions[t:t + 1]
-                q = _mlx_rotate(d.q[t:t + 1], pos, rope, periods)
-                k = _mlx_rotate(d.k[t:t + 1], pos, rope, periods)
-                d.k_pool[slots[t:t + 1]] = k
-                d.v_pool[slots[t:t + 1]] = d.v[t:t + 1]
-                outs.append(q)
-            outs += [d.k_pool, d.v_pool]
-        mx.eval(outs)
+        return outs
 
     def trivial():
-        mx.eval([d.q * 2 for d in layers])
+        # The per-op floor: the cheapest element-wise MLX op on the layer's q.
+        return [d.q * 2 for d in layers]
 
     def copy():
-        # The bandwidth floor: a unary op reading and writing as many bytes as the fused kernel moves.
-        mx.eval([mx.negative(copy_src) for _ in layers])
+        # The bandwidth floor: MLX's device copy (AsType to the same dtype, which runs the copy
+        # kernel: the source is held by `d`, so it cannot be donated) of a per-layer source whose
+        # read + write equals the bytes the fused kernel must move.
+        return [mx.array(d.copy_src) for d in layers]
 
     return {"fused": fused, "mlx": mlx_path, "seed_loop": seed_loop, "trivial": trivial, "copy": copy}
+
+
+def check_agreement(kernel, rope: RopeConfig, d: LayerData, positions: mx.array, slots: mx.array,
+                    dtype_name: str) -> None:
+    """Raise BenchmarkError unless the fused kernel and MLX's path agree on one layer (q, k and both
+    whole pools), on private copies of the pools: a fast wrong kernel must never be reported."""
+    def fresh():
+        pools = [mx.array(d.k_pool), mx.array(d.v_pool)]   # copies: the fused kernel updates in place
+        mx.eval(pools)
+        return LayerData(d.q, d.k, d.v, pools[0], pools[1], d.copy_src)
+
+    periods = None if rope.periods is None else mx.array(rope.periods_array())
+    got = fused_layer(kernel, fresh(), positions, slots)
+    want = mlx_layer(fresh(), positions, slots, rope, periods)
+    tol = AGREEMENT_TOL[dtype_name]
+    for name, g, w in zip(("q", "k", "k_pool", "v_pool"), got, want):
+        g32, w32 = g.astype(mx.float32), w.astype(mx.float32)
+        err = mx.max(mx.abs(g32 - w32) - tol * mx.abs(w32))
+        if g.shape != w.shape or err.item() > tol:
+            raise BenchmarkError(
+                f"fused kernel ({getattr(kernel, 'implementation', '?')}) disagrees with MLX's path on {name}: "
+                f"shape {g.shape} vs {w.shape}, max |fused - mlx| - {tol}*|mlx| = {err.item():.3g} > {tol}")

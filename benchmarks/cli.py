@@ -4,72 +4,115 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import click
 
 from .cases import CASES, DTYPES, SHAPES, TOKENS, VARIANTS
 
+QUICK = dict(shapes=["llama-8b", "phi-4-mini-partial"], tokens=[1, 32, 512], dtypes=["bfloat16"],
+             variants=list(VARIANTS))
 
-def _csv(choices):
+
+def _csv(choices, convert=str):
     def parse(ctx, param, value):
         if value is None:
             return None
         items = [v.strip() for v in value.split(",") if v.strip()]
+        if not items:
+            raise click.BadParameter(f"empty list; choose from {', '.join(map(str, choices))}")
+        allowed = {str(c) for c in choices}
         for v in items:
-            if str(v) not in {str(c) for c in choices}:
+            if v not in allowed:
                 raise click.BadParameter(f"{v!r} is not one of {', '.join(map(str, choices))}")
-        return items
+        return list(dict.fromkeys(convert(v) for v in items))
     return parse
 
 
+def _command() -> str:
+    args = sys.argv[1:]
+    prog = "python -m build_tools" if args[:1] == ["bench"] else "python -m benchmarks"
+    return " ".join([prog, *(shlex.quote(a) for a in args)])
+
+
 @click.command("bench")
-@click.option("--quick", is_flag=True, help="A small matrix: llama-8b and phi-4-mini, T in 1/32/512, bf16, base.")
+@click.option("--quick", is_flag=True,
+              help="A small matrix: llama-8b and phi-4-mini-partial, T in 1/32/512, bf16, all variants "
+                   "(filters given with it win).")
 @click.option("--shapes", callback=_csv(SHAPES), help=f"Comma list of {', '.join(SHAPES)}.")
-@click.option("--tokens", callback=_csv(TOKENS), help="Comma list of T values.")
+@click.option("--tokens", callback=_csv(TOKENS, int), help=f"Comma list of T in {', '.join(map(str, TOKENS))}.")
 @click.option("--dtypes", callback=_csv(DTYPES), help="Comma list of bfloat16, float16, float32.")
-@click.option("--variants", callback=_csv(VARIANTS), help="Comma list of base, freqs, traditional.")
+@click.option("--variants", callback=_csv(VARIANTS), help=f"Comma list of {', '.join(VARIANTS)}.")
 @click.option("--cases", callback=_csv(CASES), help=f"Comma list of {', '.join(CASES)} (default: all).")
-@click.option("--layers", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Layers chained into one step evaluated once.")
 @click.option("--steps", type=click.IntRange(min=20), default=20, show_default=True, help="Timed steps (median).")
-@click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True, help="Untimed steps per case.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG here.")
-def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path) -> None:
-    """Per-layer time of rope + KV-pool store inside a multi-layer step, on the default device."""
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the key results (table per T, targets) as markdown here.")
+@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Measure nothing: report (table, targets, --plot, --markdown) from an earlier --json file, "
+                   "restricted to the filters given.")
+@click.option("--commit", help="Commit to record when the tree has no .git (e.g. a copy on a benchmark host).")
+@click.option("--no-check", is_flag=True, help="Skip checking that fused agrees with MLX's path before timing.")
+def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
+          from_json, commit, no_check) -> None:
+    """Per-layer time of RoPE + KV-pool store inside a multi-layer step, on the default device:
+    the registry's fused kernel, MLX's own path, the seed's per-request loop, a trivial op, a copy."""
     from . import report, runner
 
-    if quick:
-        shapes = shapes or ["llama-8b", "phi-4-mini-partial"]
-        tokens = tokens or [1, 32, 512]
-        dtypes = dtypes or ["bfloat16"]
-        variants = variants or ["base"]
-    shapes = shapes or list(SHAPES)
-    tokens = [int(t) for t in (tokens or TOKENS)]
-    dtypes = dtypes or ["bfloat16", "float16", "float32"]
-    variants = variants or list(VARIANTS)
-    cases = cases or list(CASES)
-    info = runner.host_info()
-    click.echo(f"# {info['device']} ({info.get('gpu') or info['platform']}), mlx {info['mlx']}, "
-               f"{layers} layers/step, median of {steps} steps; times in us per layer", err=True)
-    click.echo(report.HEADER)
+    if from_json:
+        if quick or json_path:
+            raise click.UsageError("--from-json reports an existing file: --quick and --json do not apply")
+        cells, doc = report.load_json(from_json)
+        keep = lambda c: ((not shapes or c.shape in shapes) and (not tokens or c.tokens in tokens)
+                          and (not dtypes or c.dtype in dtypes) and (not variants or c.variant in variants))
+        cells = [c for c in cells if keep(c)]
+        if not cells:
+            raise click.UsageError(f"no cell of {from_json} matches the filters given")
+        info, command = doc["info"], doc.get("command", "?")
+        click.echo(report.HEADER)
+        for c in cells:
+            click.echo(report.row(c))
+    else:
+        if quick:
+            shapes, tokens = shapes or QUICK["shapes"], tokens or QUICK["tokens"]
+            dtypes, variants = dtypes or QUICK["dtypes"], variants or QUICK["variants"]
+        shapes, tokens = shapes or list(SHAPES), tokens or list(TOKENS)
+        dtypes, variants, cases = dtypes or list(DTYPES), variants or list(VARIANTS), cases or list(CASES)
+        info, command = runner.host_info(commit), _command()
+        n = len(shapes) * len(tokens) * len(dtypes) * len(variants)
+        click.echo(f"# {info['device']} ({info.get('gpu') or info.get('cpu') or info['platform']}), mlx {info['mlx']}, "
+                   f"commit {info['commit']}; {n} cells, {layers} layers/step, median of >= {steps} steps; "
+                   f"us per layer (whole step: graph building + evaluation)", err=True)
+        click.echo(report.HEADER)
+        start = time.monotonic()
 
-    def progress(i, n, cell):
-        click.echo(report.row(cell) + f"   [{i}/{n}]")
-        sys.stdout.flush()
+        def progress(i, total, cell):
+            elapsed = time.monotonic() - start
+            eta = elapsed / i * (total - i)
+            click.echo(f"{report.row(cell)}   [{i}/{total} {elapsed:.0f}s, ~{eta:.0f}s left]")
+            sys.stdout.flush()
 
-    cells = runner.run(shapes, tokens, dtypes, variants, cases, layers=layers, steps=steps, warmup=warmup,
-                       progress=progress)
+        cells = runner.run(shapes, tokens, dtypes, variants, cases, layers=layers, steps=steps, warmup=warmup,
+                           progress=progress, check=not no_check)
+        info["seconds"] = round(time.monotonic() - start, 1)
+        info["matrix"] = dict(shapes=shapes, tokens=tokens, dtypes=dtypes, variants=variants, cases=cases,
+                              layers=layers, steps=steps, warmup=warmup)
     click.echo("")
     for name, met, evidence in report.targets(cells, info["backend"]):
         click.echo(f"{'MET    ' if met else 'NOT MET'} {name}: {evidence}")
-    args = sys.argv[1:]
-    prog = "python -m build_tools" if args[:1] == ["bench"] else "python -m benchmarks"
-    command = " ".join([prog, *(shlex.quote(a) for a in args)])
     if json_path:
         report.write_json(json_path, cells, info, command)
         click.echo(f"wrote {json_path}", err=True)
     if plot_path:
-        report.plot(plot_path, cells, f"rope_pool_fused on {info.get('gpu') or info['device']}, mlx {info['mlx']}, "
-                                      f"commit {info.get('commit')}")
+        report.plot(plot_path, cells, f"rope_pool_fused per layer in a {info.get('matrix', {}).get('layers', '?')}-layer "
+                                      f"step on {info.get('gpu') or info['device']}, mlx {info['mlx']}, commit "
+                                      f"{info.get('commit')}, {info.get('date', '')[:10]}", info["backend"])
         click.echo(f"wrote {plot_path}", err=True)
+    if md_path:
+        report.write_markdown(md_path, cells, info, command)
+        click.echo(f"wrote {md_path}", err=True)

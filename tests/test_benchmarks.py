@@ -1,0 +1,314 @@
+"""The benchmark harness's logic on the CPU: what each case computes and touches, the timing protocol,
+derived metrics, target verdicts, reports and the CLI. No assertion here depends on how fast anything is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from benchmarks import cases, report, runner
+from benchmarks.cases import BenchmarkError, LayerData, Shape
+from benchmarks.cli import bench
+from benchmarks.runner import Cell
+from registry.kernels.rope_pool_fused import RopePoolFusedKernel
+from registry.paths import PROJECT_ROOT
+
+TINY = Shape("tiny", 4, 2, 16, 12)   # partial RoPE, GQA 2
+
+
+def ptr(a: mx.array) -> int:
+    """Address of `a`'s buffer (CPU); bfloat16, which NumPy lacks, is viewed as uint16 (same buffer)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    mx.eval(a)
+    return np.asarray(a).__array_interface__["data"][0]
+
+
+def f32(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32))
+
+
+class UnrotatedKernel:
+    """A wrong 'fused' kernel: stores the pools correctly but returns q and k unrotated."""
+    implementation = "broken-for-test"
+
+    def __call__(self, q, k, v, positions, slots, k_pool, v_pool, check_slots=True):
+        k_pool, v_pool = mx.array(k_pool), mx.array(v_pool)
+        k_pool[slots] = k
+        v_pool[slots] = v
+        return q, k, k_pool, v_pool
+
+
+def reference_kernel(rope):
+    return RopePoolFusedKernel(rope, backend="cpu")
+
+
+# ----------------------------------------------------------------------------- cases
+
+def test_bytes_moved_counts_compulsory_traffic():
+    s = cases.SHAPES["llama-8b"]
+    q, kv = 8 * 32 * 128, 8 * 8 * 128
+    reads, writes = q + 2 * kv, q + kv + 2 * kv   # q,k,v in; q_out, k_out, a k and a v pool row out
+    assert cases.bytes_moved(s, 8, 2) == (reads + writes) * 2
+    for shape in cases.SHAPES.values():
+        for T in (1, 7, 2048):
+            n = cases.copy_elements(shape, T)
+            assert abs(2 * n * 4 - cases.bytes_moved(shape, T, 4)) <= 2 * 4  # read + write of the copy
+
+
+def test_rope_variants_follow_the_shape():
+    phi = cases.SHAPES["phi-4-mini-partial"]
+    base = cases.rope_for(phi, "base")
+    assert (base.rotary_dims, base.traditional, base.periods) == (96, False, None)
+    freqs = cases.rope_for(phi, "freqs")
+    assert freqs.base is None and len(freqs.periods) == 48
+    plain = 500000.0 ** (np.arange(0, 96, 2) / 96)
+    scaled = np.isclose(np.array(freqs.periods), plain * 8)
+    assert scaled.any() and not scaled.all()  # a banded table, not a uniform rescale
+    assert cases.rope_for(phi, "traditional").traditional
+    with pytest.raises(KeyError, match="base, freqs, traditional"):
+        cases.rope_for(phi, "yarn")
+
+
+def test_layers_are_distinct_and_slots_injective():
+    layers, positions, slots = cases.make_layers(TINY, 5, mx.float16, layers=3, seed=1)
+    for name in ("q", "k", "v", "k_pool", "v_pool", "copy_src"):
+        assert len({ptr(getattr(d, name)) for d in layers}) == 3, f"{name} shared between layers"
+    assert not np.array_equal(f32(layers[0].q), f32(layers[1].q))
+    d = layers[0]
+    assert d.q.shape == (5, 4, 16) and d.k.shape == d.v.shape == (5, 2, 16)
+    assert d.k_pool.shape == (cases.pool_size(5), 2, 16) == (4096, 2, 16) and not f32(d.k_pool).any()
+    assert d.copy_src.size == cases.copy_elements(TINY, 5) and d.copy_src.dtype == mx.float16
+    s = np.array(slots)
+    assert len(set(s.tolist())) == 5 and s.min() >= 0 and s.max() < 4096
+    assert np.array(positions).tolist() == list(range(cases.FIRST_POSITION, cases.FIRST_POSITION + 5))
+    assert cases.pool_size(8192) == 16384
+
+
+def _run_case(name, rope, seed=3, T=4, kernel=None):
+    layers, positions, slots = cases.make_layers(TINY, T, mx.float32, layers=2, seed=seed)
+    outs = cases.step_builders(kernel or reference_kernel(rope), rope, layers, positions, slots)[name]()
+    mx.eval(outs)
+    return outs, layers, positions, slots
+
+
+@pytest.mark.parametrize("variant", cases.VARIANTS)
+def test_cases_compute_the_same_step(variant):
+    rope = cases.rope_for(TINY, variant)
+    fused, fl, *_ = _run_case("fused", rope)
+    mlx_out, ml, *_ = _run_case("mlx", rope)
+    seed_out, sl, _, slots = _run_case("seed_loop", rope)
+    assert len(fused) == len(mlx_out) == len(seed_out) == 8   # q, k, k_pool, v_pool per layer
+    for a, b, c in zip(fused, mlx_out, seed_out):
+        np.testing.assert_allclose(f32(a), f32(b), atol=1e-4)
+        np.testing.assert_allclose(f32(c), f32(b), atol=1e-4)
+    # The pools the layers hold afterwards are the updated ones (rebinding), with rows at the slots.
+    for layers in (fl, ml, sl):
+        kp = f32(layers[1].k_pool)
+        written = np.zeros(kp.shape[0], bool)
+        written[np.array(slots)] = True
+        assert np.abs(kp[written]).sum() > 0 and not kp[~written].any()
+    rotated = f32(mlx_out[0])[..., : rope.rotary_dims]
+    assert not np.allclose(rotated, f32(ml[0].q)[..., : rope.rotary_dims])  # RoPE really ran
+    np.testing.assert_array_equal(f32(mlx_out[0])[..., 12:], f32(ml[0].q)[..., 12:])  # pass-through tail
+
+
+def test_trivial_and_copy_cases():
+    rope = cases.rope_for(TINY, "base")
+    triv, tl, *_ = _run_case("trivial", rope)
+    assert len(triv) == 2
+    np.testing.assert_array_equal(f32(triv[1]), 2 * f32(tl[1].q))
+    copies, cl, *_ = _run_case("copy", rope)
+    for out, d in zip(copies, cl):
+        # A real copy of the layer's own source: new buffer, same bytes (a no-op would share it).
+        assert ptr(out) != ptr(d.copy_src)
+        np.testing.assert_array_equal(f32(out), f32(d.copy_src))
+
+
+def test_mlx_path_scatters_in_place_when_the_pool_has_one_owner():
+    """The fairness rule the harness relies on: each layer's LayerData is the pool's only owner, so
+    MLX's `pool[slots] = x` reuses the pool buffer; an extra reference would force a full copy."""
+    rope = cases.rope_for(TINY, "base")
+    layers, positions, slots = cases.make_layers(TINY, 4, mx.float32, layers=1, seed=5)
+    d = layers[0]
+    before = ptr(d.k_pool)
+    mx.eval(cases.mlx_layer(d, positions, slots, rope, None))
+    assert ptr(d.k_pool) == before
+    extra = d.k_pool[0:]  # a second owner of the same buffer (a view)
+    assert ptr(extra) == ptr(d.k_pool)
+    mx.eval(cases.mlx_layer(d, positions, slots, rope, None))
+    assert ptr(d.k_pool) != ptr(extra)
+
+
+def test_check_agreement_accepts_the_reference_and_rejects_a_wrong_kernel():
+    rope = cases.rope_for(TINY, "traditional")
+    layers, positions, slots = cases.make_layers(TINY, 6, mx.bfloat16, layers=1, seed=2)
+    pools = ptr(layers[0].k_pool), ptr(layers[0].v_pool)
+    cases.check_agreement(reference_kernel(rope), rope, layers[0], positions, slots, "bfloat16")
+    assert (ptr(layers[0].k_pool), ptr(layers[0].v_pool)) == pools and not f32(layers[0].k_pool).any()
+    with pytest.raises(BenchmarkError, match=r"broken-for-test.*disagrees with MLX's path on q"):
+        cases.check_agreement(UnrotatedKernel(), rope, layers[0], positions, slots, "bfloat16")
+
+
+# ----------------------------------------------------------------------------- timing protocol
+
+def test_time_steps_warms_up_interleaves_and_times_eval_separately():
+    calls = []
+
+    def builder(name, build_cost):
+        def build_step():
+            calls.append(name)
+            if build_cost:
+                time.sleep(build_cost)
+            return [mx.ones((4,)) * 3]
+        return build_step
+
+    out = runner.time_steps({"a": builder("a", 0.002), "b": builder("b", 0.0)}, steps=20, warmup=2, rounds=3)
+    assert calls[:4] == ["a", "a", "b", "b"]              # warm-up first, per case
+    timed = calls[4:]
+    assert timed.count("a") == timed.count("b") == 21     # >= steps, in 3 rounds of 7
+    runs = [timed[0]] + [x for prev, x in zip(timed, timed[1:]) if x != prev]
+    assert runs == ["a", "b"] * 3                          # cases alternate round by round
+    (a_step, a_eval), (b_step, b_eval) = out["a"], out["b"]
+    assert a_step >= a_eval + 0.002 and b_step >= b_eval > 0  # graph building counted in the step only
+
+
+# ----------------------------------------------------------------------------- metrics and verdicts
+
+def _cell(shape="llama-8b", T=1, dtype="bfloat16", variant="base", **us):
+    return Cell(shape, T, dtype, variant, "native-cpu", us_per_layer=dict(us),
+                eval_us_per_layer={k: v / 2 for k, v in us.items()}, bytes_per_layer=1_000_000)
+
+
+def test_cell_derived_metrics():
+    c = _cell(fused=10.0, mlx=25.0, trivial=8.0, copy=5.0)
+    assert c.speedup_vs_mlx() == pytest.approx(2.5)
+    assert c.ratio_to_trivial() == pytest.approx(1.25)
+    assert c.bandwidth_gbs() == pytest.approx(100.0)       # 1 MB in 10 us
+    assert c.bandwidth_share() == pytest.approx(0.5)       # copy moved it in 5 us
+    assert c.ratio_to_trivial("eval") == pytest.approx(1.25)
+    d = c.to_json()
+    assert d["speedup_vs_mlx"] == pytest.approx(2.5) and d["fused_gbs"] == pytest.approx(100.0)
+    bare = _cell(fused=10.0)
+    assert bare.speedup_vs_mlx() is None and bare.ratio_to_trivial() is None and bare.bandwidth_share() is None
+
+
+def test_gpu_targets():
+    cells = [_cell(T=1, fused=12.0, mlx=30.0, trivial=10.0, copy=8.0),                # 1.2x trivial
+             _cell(T=1, dtype="float32", fused=50.0, mlx=60.0, trivial=10.0, copy=8.0),  # f32: no decode target
+             _cell(T=2048, dtype="float16", fused=100.0, mlx=300.0, trivial=60.0, copy=55.0),  # 55%
+             _cell(T=8192, fused=100.0, mlx=300.0, trivial=60.0, copy=70.0)]          # 70%
+    verdicts = {name: (met, ev) for name, met, ev in report.targets(cells, "cuda")}
+    assert verdicts["never slower than MLX's own path (every cell)"][0]
+    assert verdicts["T <= 512 (bf16/f16) within 1.3x of a trivial op"][0]
+    met, evidence = verdicts["T >= 2048 (bf16/f16) at >= 60% of copy bandwidth"]
+    assert not met and "1/2 cells" in evidence and "llama-8b T=2048 float16 base" in evidence
+    cells.append(_cell(T=32, variant="traditional", fused=31.0, mlx=30.0, trivial=10.0, copy=8.0))
+    verdicts = {name: (met, ev) for name, met, ev in report.targets(cells, "cuda")}
+    met, evidence = verdicts["never slower than MLX's own path (every cell)"]
+    assert not met and "llama-8b T=32 bfloat16 traditional" in evidence
+    assert not verdicts["T <= 512 (bf16/f16) within 1.3x of a trivial op"][0]
+    assert not any("CPU" in name for name in verdicts)
+
+
+def test_cpu_targets():
+    cells = [_cell(T=8, fused=10.0, mlx=40.0), _cell(T=128, fused=10.0, mlx=11.0)]
+    verdicts = {name: met for name, met, _ in report.targets(cells, "cpu")}
+    assert verdicts == {"never slower than MLX's own path (every cell)": True,
+                        "CPU: >= 3x MLX's own path at T <= 32": True}   # T=128 is outside the 3x target
+    cells.append(_cell(T=32, dtype="float32", fused=10.0, mlx=29.0))
+    assert not dict((n, m) for n, m, _ in report.targets(cells, "cpu"))["CPU: >= 3x MLX's own path at T <= 32"]
+
+
+# ----------------------------------------------------------------------------- reports
+
+def test_table_rows_stay_aligned_with_missing_values():
+    full = _cell(T=32, fused=10.0, mlx=25.0, seed_loop=900.0, trivial=8.0, copy=5.0)
+    partial = _cell(shape="phi-4-mini-partial", T=8192, variant="traditional", fused=10.0, mlx=25.0)
+    assert len(report.row(full)) == len(report.row(partial)) == len(report.HEADER)
+    assert report.row(partial).split()[4:] == ["10.0", "25.0", "-", "-", "-", "2.50", "-", "100", "-"]
+
+
+def test_json_roundtrip_markdown_and_plot(tmp_path):
+    cells = [_cell(T=T, dtype=dt, variant=v, fused=10.0 * T, mlx=30.0 * T, trivial=8.0 * T, copy=5.0 * T)
+             for T in (1, 2048) for dt in ("bfloat16", "float32") for v in ("base", "freqs")]
+    info = {"backend": "cuda", "mlx": mx.__version__, "date": "2026-01-01T00:00:00Z", "commit": "abc1234"}
+    path = tmp_path / "out" / "r.json"
+    report.write_json(path, cells, info, "python -m benchmarks --quick")
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]   # no temporary file left behind
+    loaded, doc = report.load_json(path)
+    assert [c.to_json() for c in loaded] == [c.to_json() for c in cells]
+    assert doc["command"] == "python -m benchmarks --quick" and doc["info"]["commit"] == "abc1234"
+    md = report.markdown(loaded, doc["info"], doc["command"])
+    assert "| 2048 | 20480.0 | 61440.0 | - | 16384.0 | 10240.0 | 3.00 / 3.00 | 1.25 / 1.25 | 0.50 / 0.50 |" in md
+    assert "`python -m benchmarks --quick`" in md and "**not met**" in md
+    png = tmp_path / "r.png"
+    report.plot(png, loaded, "test", "cuda")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_json_names_what_is_wrong(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json: not a readable benchmark JSON"):
+        report.load_json(bad)
+    bad.write_text(json.dumps({"info": {}, "cells": [{"shape": "x"}]}))
+    with pytest.raises(ValueError, match=r"cells\[0\] lacks tokens"):
+        report.load_json(bad)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def test_cli_runs_a_small_matrix(tmp_path):
+    out = tmp_path / "b.json"
+    res = CliRunner().invoke(bench, ["--shapes", "qwen3-0.6b", "--tokens", "1", "--dtypes", "float32",
+                                     "--variants", "base,traditional", "--layers", "2", "--warmup", "1",
+                                     "--commit", "feedbee", "--json", str(out), "--plot", str(tmp_path / "b.png"),
+                                     "--markdown", str(tmp_path / "b.md")])
+    assert res.exit_code == 0, res.output
+    assert report.HEADER in res.output and "[2/2 " in res.output
+    assert "never slower than MLX's own path" in res.output and "CPU: >= 3x" in res.output
+    doc = json.loads(out.read_text())
+    info = doc["info"]
+    assert info["commit"] == "feedbee" and info["backend"] == "cpu" and info["mlx"] == mx.__version__
+    assert {"date", "host", "platform", "gpu", "cpu_count", "seconds"} <= set(info)
+    assert info["matrix"]["layers"] == 2 and info["matrix"]["variants"] == ["base", "traditional"]
+    assert doc["command"].startswith("python -m ")
+    assert [(c["tokens"], c["variant"]) for c in doc["cells"]] == [(1, "base"), (1, "traditional")]
+    for c in doc["cells"]:
+        assert set(c["us_per_layer"]) == set(c["eval_us_per_layer"]) == set(cases.CASES)
+        assert c["bytes_per_layer"] == cases.bytes_moved(cases.SHAPES["qwen3-0.6b"], 1, 4)
+    assert (tmp_path / "b.png").stat().st_size > 0 and "feedbee" in (tmp_path / "b.md").read_text()
+
+    res = CliRunner().invoke(bench, ["--from-json", str(out), "--variants", "traditional"])
+    assert res.exit_code == 0, res.output
+    assert "traditional" in res.output and " base " not in res.output
+    res = CliRunner().invoke(bench, ["--from-json", str(out), "--dtypes", "bfloat16"])
+    assert res.exit_code == 2 and "no cell of" in res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "3"], "'3' is not one of 1, 8, 32"),
+    (["--shapes", "llama-70b"], "'llama-70b' is not one of llama-8b"),
+    (["--dtypes", ","], "empty list"),
+    (["--steps", "5"], "5 is not in the range x>=20"),
+])
+def test_cli_rejects_bad_arguments(args, message):
+    res = CliRunner().invoke(bench, args)
+    assert res.exit_code == 2 and message in res.output
+
+
+def test_entry_points():
+    res = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=PROJECT_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and "--quick" in res.stdout and "--from-json" in res.stdout
+    import click
+    from build_tools.cli import cli
+    assert cli.get_command(click.Context(cli), "bench") is bench   # `python -m build_tools bench`
