@@ -187,7 +187,8 @@ def check_agreement(kernel, rope: RopeConfig, d: LayerData, positions: mx.array,
     periods = None if rope.periods is None else mx.array(rope.periods_array())
     got = fused_layer(kernel, fresh(), positions, slots)
     want = mlx_layer(fresh(), positions, slots, rope, periods)
-    tol = AGREEMENT_TOL[dtype_name]
+    # fp32 angles lose about pos * 2^-23 rad each, in both implementations: widen with the largest position.
+    tol = AGREEMENT_TOL[dtype_name] + int(mx.max(positions).item()) * 2.0 ** -21
     for name, g, w in zip(("q", "k", "k_pool", "v_pool"), got, want):
         g32, w32 = g.astype(mx.float32), w.astype(mx.float32)
         err = mx.max(mx.abs(g32 - w32) - tol * mx.abs(w32))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -36,6 +37,36 @@ def _command() -> str:
     return " ".join([prog, *(shlex.quote(a) for a in args)])
 
 
+def _merge(paths):
+    """Cells, info and command of one or more --json files of the same backend; a cell measured twice
+    is an error (the merged file must say which run each number comes from)."""
+    from . import report
+
+    cells, seen, docs = [], {}, []
+    for path in paths:
+        file_cells, doc = report.load_json(path)
+        for c in file_cells:
+            key = (c.shape, c.tokens, c.dtype, c.variant)
+            if key in seen:
+                raise click.UsageError(f"{path}: cell {' '.join(map(str, key))} is also in {seen[key]}")
+            seen[key] = path
+        cells += file_cells
+        docs.append((path, doc))
+    backends = {doc["info"].get("backend") for _, doc in docs}
+    if len(backends) > 1:
+        raise click.UsageError(f"--from-json files come from different backends ({', '.join(map(str, backends))})")
+    if len(docs) == 1:
+        return cells, docs[0][1]["info"], docs[0][1].get("command", "?")
+    info = dict(docs[0][1]["info"])
+    info["merged_from"] = [dict(file=Path(p).name, command=d.get("command"), commit=d["info"].get("commit"),
+                                date=d["info"].get("date"), cells=len(d["cells"])) for p, d in docs]
+    layers = {(d["info"].get("matrix") or {}).get("layers") for _, d in docs}
+    if len(layers) > 1:
+        raise click.UsageError(f"--from-json files time different step sizes (layers {sorted(map(str, layers))})")
+    info["matrix"] = {"layers": layers.pop()}
+    return cells, info, " ; ".join(d.get("command", "?") for _, d in docs)
+
+
 @click.command("bench")
 @click.option("--quick", is_flag=True,
               help="A small matrix: llama-8b and phi-4-mini-partial, T in 1/32/512, bf16, all variants "
@@ -53,9 +84,9 @@ def _command() -> str:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG here.")
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the key results (table per T, targets) as markdown here.")
-@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Measure nothing: report (table, targets, --plot, --markdown) from an earlier --json file, "
-                   "restricted to the filters given.")
+@click.option("--from-json", "from_json", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Measure nothing: report (table, targets, --plot, --markdown, --json) from earlier --json "
+                   "files (repeat to merge runs of one host), restricted to the filters given.")
 @click.option("--commit", help="Commit to record when the tree has no .git (e.g. a copy on a benchmark host).")
 @click.option("--no-check", is_flag=True, help="Skip checking that fused agrees with MLX's path before timing.")
 def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
@@ -65,15 +96,14 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
     from . import report, runner
 
     if from_json:
-        if quick or json_path:
-            raise click.UsageError("--from-json reports an existing file: --quick and --json do not apply")
-        cells, doc = report.load_json(from_json)
+        if quick:
+            raise click.UsageError("--from-json reports existing files: --quick does not apply")
+        cells, info, command = _merge(from_json)
         keep = lambda c: ((not shapes or c.shape in shapes) and (not tokens or c.tokens in tokens)
                           and (not dtypes or c.dtype in dtypes) and (not variants or c.variant in variants))
         cells = [c for c in cells if keep(c)]
         if not cells:
-            raise click.UsageError(f"no cell of {from_json} matches the filters given")
-        info, command = doc["info"], doc.get("command", "?")
+            raise click.UsageError(f"no cell of {', '.join(map(str, from_json))} matches the filters given")
         click.echo(report.HEADER)
         for c in cells:
             click.echo(report.row(c))
@@ -100,6 +130,8 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
         cells = runner.run(shapes, tokens, dtypes, variants, cases, layers=layers, steps=steps, warmup=warmup,
                            progress=progress, check=not no_check)
         info["seconds"] = round(time.monotonic() - start, 1)
+        if hasattr(os, "getloadavg"):  # a busy host shows here: its numbers deserve less trust
+            info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         info["matrix"] = dict(shapes=shapes, tokens=tokens, dtypes=dtypes, variants=variants, cases=cases,
                               layers=layers, steps=steps, warmup=warmup)
     click.echo("")

@@ -294,6 +294,24 @@ def test_cli_runs_a_small_matrix(tmp_path):
     assert res.exit_code == 2 and "no cell of" in res.output
 
 
+def test_cli_merges_runs_and_refuses_duplicates(tmp_path):
+    info = {"backend": "cuda", "mlx": mx.__version__, "commit": "c1", "matrix": {"layers": 32}}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    report.write_json(a, [_cell(T=1, fused=10.0, mlx=20.0)], info, "bench --tokens 1")
+    report.write_json(b, [_cell(T=8, fused=10.0, mlx=20.0)], dict(info, commit="c2"), "bench --tokens 8")
+    merged = tmp_path / "m.json"
+    res = CliRunner().invoke(bench, ["--from-json", str(a), "--from-json", str(b), "--json", str(merged)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(merged.read_text())
+    assert [c["tokens"] for c in doc["cells"]] == [1, 8] and doc["command"] == "bench --tokens 1 ; bench --tokens 8"
+    assert [m["commit"] for m in doc["info"]["merged_from"]] == ["c1", "c2"]
+    res = CliRunner().invoke(bench, ["--from-json", str(a), "--from-json", str(merged)])
+    assert res.exit_code == 2 and "cell llama-8b 1 bfloat16 base is also in" in res.output
+    report.write_json(b, [_cell(T=8, fused=10.0, mlx=20.0)], dict(info, backend="cpu"), "x")
+    res = CliRunner().invoke(bench, ["--from-json", str(a), "--from-json", str(b)])
+    assert res.exit_code == 2 and "different backends" in res.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tokens", "3"], "'3' is not one of 1, 8, 32"),
     (["--shapes", "llama-70b"], "'llama-70b' is not one of llama-8b"),
