@@ -1,24 +1,32 @@
-"""`python -m build_tools`: compile, list, validate, clean, doctor (and bench, from benchmarks/)."""
+"""`python -m build_tools`: compile, list, validate, clean, doctor (and bench, from benchmarks/).
+
+A thin layer over build_tools.compiler; importing this module is cheap (click only) so other
+helpers can add subcommands: registry, MLX and the compilers load inside the commands that need them.
+Exit codes: 0 ok; 1 a build failed or the manifest is invalid; 2 a bad argument, an unusable output
+directory, or an explicitly requested target without its toolchain (the message says the fix)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import time
 from pathlib import Path
 
 import click
 
 MANIFEST_OPTION = click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                               help="Manifest to use (default: the packaged kernels.yaml).")
+                               help="Manifest to use (default: the checkout's or the packaged kernels.yaml).")
 OUT_OPTION = click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
                           help="Artifact directory (default: MLX_AOT_CACHE_DIR, else registry/_artifacts when "
-                               "writable, else the user cache).")
+                               "writable, else ~/.cache/mlx-aot-kernels/<version>).")
 
 
 def _err(msg: str) -> None:
     click.echo(msg, err=True)
+
+
+def _fail(msg: str, code: int) -> None:
+    _err(f"error: {msg}")
+    sys.exit(code)
 
 
 def _load(manifest):
@@ -32,7 +40,32 @@ def _load(manifest):
         sys.exit(1)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A click group whose `lazy` commands ("name" -> "module:attr") are imported only when listed
+    or run, so `--help` and the other commands never pay for their imports."""
+
+    lazy = {"bench": "benchmarks.cli:bench"}   # benchmarks/ ships with the source tree only
+
+    def list_commands(self, ctx):
+        return sorted({*super().list_commands(ctx), *(n for n in self.lazy if self._load(n) is not None)})
+
+    def get_command(self, ctx, name):
+        return super().get_command(ctx, name) or self._load(name)
+
+    def _load(self, name):
+        if name not in self.lazy:
+            return None
+        import importlib
+        module, attr = self.lazy[name].split(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as e:
+            if e.name and module.split(".")[0] == e.name.split(".")[0]:
+                return None   # not shipped in this install; a broken module still raises
+            raise
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Ahead-of-time kernel builds for mlx-aot-kernels (docs/build.md)."""
 
@@ -46,39 +79,47 @@ def validate(manifest) -> None:
 
 
 @cli.command("compile")
-@click.option("--target", "targets", multiple=True, default=("auto",), show_default=True,
-              type=click.Choice(["auto", "all", "metal", "cuda", "cpu"]),
-              help="What to build; auto = every target this machine's toolchains can build. Repeatable.")
-@click.option("--only", multiple=True, help="Build only this kernel (repeatable).")
-@click.option("--arch", "arch", default=None, help="Comma-separated CUDA archs (sm_90,compute_90); default: the manifest's.")
+@click.option("--target", "targets", multiple=True, default=("auto",), show_default=True, metavar="TARGET",
+              help="auto|all|metal|cuda|cpu, repeatable or comma-separated. auto = every target this "
+                   "machine's toolchains can build (says what it skipped and why).")
+@click.option("--only", multiple=True, metavar="NAME", help="Build only these kernels (repeatable or comma-separated).")
+@click.option("--arch", "archs", multiple=True, metavar="LIST",
+              help="CUDA archs, e.g. sm_90,compute_90 (sm_XX cubins, compute_XX PTX); replaces the manifest's "
+                   "archs and ptx_arch.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel builds (default: CPU count).")
 @OUT_OPTION
 @click.option("--force", is_flag=True, help="Rebuild even when the artifact is fresh.")
-@click.option("--dry-run", is_flag=True, help="Print the commands; build nothing.")
-@click.option("--verbose", "-v", is_flag=True, help="Stream commands and compiler output.")
+@click.option("--dry-run", is_flag=True, help="Print the commands and what would be built; build nothing.")
+@click.option("--verbose", "-v", is_flag=True, help="Stream each command and the compiler's output.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
 @MANIFEST_OPTION
-def compile_cmd(targets, only, arch, jobs, out_dir, force, dry_run, verbose, as_json, manifest) -> None:
-    """Compile every kernel of kernels.yaml ahead of time."""
+def compile_cmd(targets, only, archs, jobs, out_dir, force, dry_run, verbose, as_json, manifest) -> None:
+    """Compile every kernel of kernels.yaml ahead of time (progress on stderr)."""
+    from registry.errors import EnvError
+
     from .compiler import MissingToolchainError, compile_kernels
 
     m = _load(manifest)
-    start = time.monotonic()
-    archs = [a.strip() for a in arch.split(",") if a.strip()] if arch else None
+
+    def fail(msg: str) -> None:
+        if as_json:
+            click.echo(json.dumps({"ok": False, "error": msg}, indent=1))
+        _fail(msg, 2)
+
     try:
-        report = compile_kernels(targets=targets, out_dir=out_dir, only=list(only) or None, archs=archs,
-                                 force=force, jobs=jobs, dry_run=dry_run, verbose=verbose, log=_err, manifest=m)
+        report = compile_kernels(targets=targets, out_dir=out_dir, only=only, archs=archs, force=force, jobs=jobs,
+                                 log=_err, dry_run=dry_run, verbose=verbose, manifest=m)
     except MissingToolchainError as e:
-        _err(f"error: {e}")
-        sys.exit(2)
-    except ValueError as e:
-        _err(f"error: {e}")
-        sys.exit(2)
+        fail(f"{e}\n(`python -m build_tools doctor` checks every toolchain; `--target auto` builds what is here)")
+    except (ValueError, EnvError) as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot use the output directory: {e}")
     for what, why in report.skipped.items():
         _err(f"skipped {what}: {why}")
-    counts = {s: sum(r.status == s for r in report.results) for s in ("built", "fresh", "failed", "planned")}
-    _err(f"{report.out_dir}: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-         + f" in {time.monotonic() - start:.2f}s" if report.results else f"{report.out_dir}: nothing to build")
+    counts = report.counts()
+    summary = ", ".join(f"{v} {k}" for k, v in counts.items()) if counts else "nothing to build"
+    _err(f"{report.out_dir}: {summary} in {report.seconds:.2f}s")
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
     sys.exit(0 if report.ok else 1)
@@ -86,57 +127,73 @@ def compile_cmd(targets, only, arch, jobs, out_dir, force, dry_run, verbose, as_
 
 @cli.command("list")
 @OUT_OPTION
+@click.option("--only", multiple=True, metavar="NAME", help="Only these kernels.")
+@click.option("--json", "as_json", is_flag=True, help="Print the states as JSON.")
 @MANIFEST_OPTION
-def list_cmd(out_dir, manifest) -> None:
-    """Kernels, their targets and the state of each artifact: missing, fresh or stale."""
-    from registry.artifacts import artifact_dirs, check_entry, read_index, source_digest
+def list_cmd(out_dir, only, as_json, manifest) -> None:
+    """Kernels, their targets and each artifact's state as the registry sees it: fresh, stale or missing."""
+    from dataclasses import asdict
+
+    from registry.artifacts import artifact_dirs
+
+    from .compiler import artifact_states
 
     m = _load(manifest)
     dirs = [out_dir] if out_dir else artifact_dirs()
-    indexes = [(d, read_index(d)[0]) for d in dirs]
+    try:
+        states = artifact_states(m, dirs, list(only) or None)
+    except ValueError as e:
+        _fail(str(e), 2)
+    if as_json:
+        click.echo(json.dumps({"dirs": [str(d) for d in dirs], "artifacts": [asdict(s) for s in states]}, indent=1))
+        return
+    click.echo(f"artifact dirs (search order): {', '.join(str(d) for d in dirs)}")
     for spec in m.kernels:
-        click.echo(f"{spec.name} (kernel_attr={spec.kernel_attr}, enable={spec.enable.env})")
-        for target in spec.targets:
-            digest = source_digest(spec, target)
-            rows = [(d, e) for d, idx in indexes for (k, t, _), e in idx.items() if k == spec.name and t == target]
-            if not rows:
-                click.echo(f"  {target:<6} {'':<12} missing   (python -m build_tools compile --only {spec.name} "
-                           f"--target {target})")
-            for d, e in sorted(rows, key=lambda r: r[1].arch or ""):
-                why = check_entry(d, e, digest)
-                click.echo(f"  {target:<6} {e.arch or '':<12} {'fresh' if why is None else 'stale':<9} "
-                           f"{d / e.file}" + (f"  ({why})" if why else ""))
+        rows = [s for s in states if s.kernel == spec.name]
+        if not rows:
+            continue
+        click.echo(f"{spec.name} (targets: {', '.join(spec.targets)}; enable: {spec.enable.env})")
+        for s in rows:
+            click.echo(f"  {s.target:<6} {s.arch or '':<12} {s.state:<8} {s.path or s.detail}")
 
 
 @cli.command()
 @OUT_OPTION
-@click.option("--only", multiple=True, help="Remove only this kernel's artifacts (repeatable).")
-def clean(out_dir, only) -> None:
+@click.option("--only", multiple=True, metavar="NAME", help="Remove only these kernels' artifacts.")
+@MANIFEST_OPTION
+def clean(out_dir, only, manifest) -> None:
     """Remove compiled artifacts (the index first, so nothing half-removed is ever loaded)."""
-    from registry.artifacts import INDEX_NAME, artifact_dirs, read_index, write_index
+    from registry.artifacts import artifact_dirs
 
-    from .compiler import file_lock
+    from .compiler import clean_artifacts
+    from .locking import LockTimeoutError
+
+    names = [k.name for k in _load(manifest).kernels]
+    only = [n for o in only for n in o.replace(",", " ").split()]
     for d in ([out_dir] if out_dir else artifact_dirs()):
-        if not d.exists():
-            continue
-        with file_lock(d / ".lock"):
-            if only:
-                index, _ = read_index(d)
-                write_index(d, {s: e for s, e in index.items() if s[0] not in only})
-                for name in only:
-                    shutil.rmtree(d / name, ignore_errors=True)
-            else:
-                (d / INDEX_NAME).unlink(missing_ok=True)
-                for child in d.iterdir():
-                    if child.is_dir():
-                        shutil.rmtree(child, ignore_errors=True)
-        click.echo(f"cleaned {d}" + (f" ({', '.join(only)})" if only else ""))
+        try:
+            removed = clean_artifacts(d, names, only or None)
+        except (LockTimeoutError, OSError) as e:
+            _fail(str(e), 1)
+        click.echo(f"cleaned {d}: {len(removed)} path(s) removed" + (f" ({', '.join(only)})" if only else ""))
 
 
 @cli.command()
-def doctor() -> None:
-    """Check the toolchains and print the fix for each one missing."""
+@MANIFEST_OPTION
+def doctor(manifest) -> None:
+    """Check the toolchains (xcrun metal/metallib, nvcc, the C++ compiler) and print the fix for each one missing."""
+    from registry.artifacts import default_output_dir
+
     from . import toolchains
+
+    from registry.errors import ManifestError
+    from registry.manifest import load_manifest
+
+    try:
+        m = load_manifest(manifest)
+    except ManifestError as e:
+        m = None
+        click.echo(f"[warn]    manifest: {len(e.problems)} problem(s); see `python -m build_tools validate`")
     missing = 0
     for target in ("metal", "cuda", "cpu"):
         tc = toolchains.find(target)
@@ -145,25 +202,35 @@ def doctor() -> None:
         else:
             missing += 1
             click.echo(f"[missing] {target:<6} {tc.detail}\n          fix: {tc.fix}")
-    import mlx.core as mx
-    click.echo(f"[info]    mlx {mx.__version__}, default device {mx.default_device()}, "
-               f"cuda={mx.cuda.is_available()}, metal={mx.metal.is_available()}")
+        if target == "cuda" and tc.available and m is not None:
+            _doctor_cuda_archs(m, toolchains)
+    out = default_output_dir()
+    click.echo(f"[info]    artifacts are written to {out}")
+    try:
+        import mlx.core as mx
+        click.echo(f"[info]    mlx {mx.__version__}, default device {mx.default_device()}, "
+                   f"cuda={mx.cuda.is_available()}, metal={mx.metal.is_available()}")
+    except ImportError as e:
+        click.echo(f"[missing] mlx ({e})\n          fix: pip install 'mlx[cpu]==0.32.4' (Linux) or mlx==0.32.4 (macOS)")
     try:
         from registry import _ext  # noqa: F401
         click.echo("[ok]      native extension registry._ext imports")
     except ImportError as e:
         click.echo(f"[missing] native extension registry._ext ({e})\n          fix: pip install -e '.[cpu]' "
-                   f"(Linux CUDA: pip install --no-build-isolation -e '.[cuda13]')")
+                   f"(Linux CUDA: pip install --no-build-isolation -e '.[cuda13]'; macOS: pip install -e .)")
     click.echo(f"{missing} toolchain(s) missing; `compile --target auto` builds the rest" if missing
                else "all toolchains present")
 
 
-def _register_bench() -> None:
-    try:
-        from benchmarks.cli import bench
-    except ImportError:  # benchmarks/ ships with the source tree, not with every install
-        return
-    cli.add_command(bench)
-
-
-_register_bench()
+def _doctor_cuda_archs(m, toolchains) -> None:
+    supported, problem = toolchains.nvcc_archs()
+    wanted = sorted({a for k in m.kernels if "cuda" in k.targets
+                     for a in (*k.targets["cuda"].archs, k.targets["cuda"].ptx_arch) if a})
+    unsupported = [a for a in wanted if supported and a not in supported]
+    if problem:
+        click.echo(f"[warn]    cuda   cannot list nvcc's archs: {problem}")
+    elif unsupported:
+        click.echo(f"[warn]    cuda   this nvcc cannot build {', '.join(unsupported)} (kernels.yaml asks for "
+                   f"them)\n          fix: {toolchains.NVCC_FIX}")
+    else:
+        click.echo(f"[ok]      cuda   nvcc builds every arch kernels.yaml asks for ({', '.join(wanted)})")

@@ -1,51 +1,58 @@
-"""The build driver behind `python -m build_tools compile` and setup.py.
+"""The build driver behind `python -m build_tools compile` and setup.py: `compile_kernels()`.
 
-One build unit = (kernel, target, arch). Each unit: compute its content key (registry/artifacts.py)
--> under the unit's lock, skip if the index already holds that key with an intact file -> build into
-a private temp dir -> check the entry symbols -> move the file into place (content-keyed name) ->
-update index.json under the index lock (atomic replace; the commit marker) -> prune superseded files.
-Locks are fcntl locks: a killed process releases them, so no stale lock ever blocks a build.
+Per build unit (kernel, target, arch; build_tools/commands.py):
+  1. key = build_key(source digest, compiler identity, exact commands, arch)   (registry/artifacts.py)
+  2. fresh if the index holds that key with an intact file -> done, no lock taken (a no-op run costs
+     one index read and one hash per artifact)
+  3. else take the unit's lock, re-check (another process may just have built it), remove leftovers
+     of killed builds, build in a private temp dir, check the compiler's dependency files against
+     the include scan, check entry symbols (and the cubin's SM), re-hash the sources (changed while
+     compiling -> fail), move the file into place under its content-keyed name, update index.json
+     under the index lock (atomic replace: the commit marker), prune superseded files of the unit.
+A process killed at any step leaves a temp dir or an unindexed file: nothing the registry loads.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable
 
 from registry import envs
-from registry.artifacts import (IndexEntry, build_key, default_output_dir, read_index, sha256_file,
-                                source_digest, write_index)
-from registry.manifest import TARGETS, KernelSpec, Manifest, load_manifest
+from registry._version import __version__
+from registry.artifacts import (IndexEntry, build_key, default_output_dir, dependency_files, parse_cuda_arch,
+                                read_index, sha256_file, source_inputs, write_index)
+from registry.manifest import TARGETS, Manifest, load_manifest
 
 from . import symbols, toolchains
+from .commands import Unit, key_commands, parse_depfile, recipe
+from .locking import LockTimeoutError, file_lock
 
 Log = Callable[[str], None]
+INDEX_LOCK = ".lock"
+UNIT_LOCKS = ".locks"
+TMP_PREFIX = ".tmp-"
 
 
 class BuildError(Exception):
-    """A compiler failed: carries the exact command, its output and the source."""
+    """A unit failed to build: carries the exact command, the compiler's output and the sources."""
 
-    def __init__(self, unit: str, command: list[str], output: str, sources: list[str]):
+    def __init__(self, unit: str, command: list[str] | None, output: str, sources: list[str]):
         self.command, self.output, self.sources = command, output, sources
-        super().__init__(f"{unit}: build failed\n  sources: {', '.join(sources)}\n  command: "
-                         f"{' '.join(command)}\n{output.rstrip()}")
+        cmd = f"\n  command: {shlex.join(command)}" if command else ""
+        super().__init__(f"{unit}: build failed\n  sources: {', '.join(sources)}{cmd}\n{output.rstrip()}")
 
 
 class MissingToolchainError(Exception):
-    """A target was asked for explicitly but its toolchain is missing (exit code 2)."""
-
-
-class LockTimeoutError(Exception):
-    pass
+    """A target was asked for explicitly but its toolchain is missing (CLI exit code 2); says the fix."""
 
 
 @dataclass
@@ -53,7 +60,7 @@ class UnitResult:
     kernel: str
     target: str
     arch: str | None
-    status: str                       # built | fresh | failed | planned
+    status: str                       # built | fresh | failed | planned (dry run)
     seconds: float = 0.0
     path: str | None = None
     key: str | None = None
@@ -68,107 +75,85 @@ class UnitResult:
 @dataclass
 class CompileReport:
     out_dir: str
+    targets: list[str] = field(default_factory=list)
     results: list[UnitResult] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)   # what was not built -> why
+    skipped: dict[str, str] = field(default_factory=dict)   # what was not built -> why (and the fix)
+    seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         return all(r.status != "failed" for r in self.results)
 
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.results:
+            out[r.status] = out.get(r.status, 0) + 1
+        return out
+
     def to_json(self) -> dict:
-        return {"out_dir": self.out_dir, "ok": self.ok, "results": [asdict(r) for r in self.results],
-                "skipped": self.skipped}
+        return {"out_dir": self.out_dir, "ok": self.ok, "targets": self.targets, "seconds": round(self.seconds, 3),
+                "counts": self.counts(), "results": [asdict(r) for r in self.results], "skipped": self.skipped}
 
 
-# ----------------------------------------------------------------------------- locks
-
-@contextmanager
-def file_lock(path: Path, timeout: float | None = None) -> Iterator[None]:
-    timeout = envs.get_float("MLX_AOT_LOCK_TIMEOUT") if timeout is None else timeout
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise LockTimeoutError(
-                        f"timed out after {timeout:g}s waiting for the build lock {path}: another "
-                        f"`python -m build_tools compile` holds it (raise MLX_AOT_LOCK_TIMEOUT to wait longer)"
-                    ) from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+def lock_timeout() -> float:
+    return envs.get_float("MLX_AOT_LOCK_TIMEOUT")
 
 
 # ----------------------------------------------------------------------------- planning
 
-@dataclass(frozen=True)
-class Unit:
-    spec: KernelSpec
-    target: str
-    arch: str | None
-
-    @property
-    def kind(self) -> str:
-        if self.target == "cpu":
-            return "so"
-        if self.target == "metal":
-            return "metallib"
-        return "ptx" if self.arch.startswith("compute_") else "cubin"
-
-    @property
-    def slot(self) -> tuple[str, str, str | None]:
-        return (self.spec.name, self.target, self.arch)
-
-    def file_name(self, key: str) -> str:
-        arch = f".{self.arch}" if self.arch else ""
-        return f"{self.spec.name}.{key[:16]}{arch}.{self.kind}"
-
-    @property
-    def label(self) -> str:
-        return f"{self.spec.name} {self.target}" + (f" {self.arch}" if self.arch else "")
+def _split(values: str | Iterable[str] | None) -> list[str]:
+    """'a,b' / ['a', 'b,c'] -> ['a', 'b', 'c'] (CLI lists and Python lists alike), order kept, no dups."""
+    if values is None:
+        return []
+    items = [values] if isinstance(values, str) else list(values)
+    out: list[str] = []
+    for item in items:
+        for v in str(item).replace(",", " ").split():
+            if v not in out:
+                out.append(v)
+    return out
 
 
-def resolve_targets(requested: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
-    """Targets to build and, for `auto`, what was skipped and why. Explicitly requested targets
-    whose toolchain is missing raise MissingToolchainError carrying the fix."""
-    skipped: dict[str, str] = {}
+def resolve_targets(requested: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """Targets to build and, for `auto`, what was skipped and why. A target named explicitly (or via
+    `all`) whose toolchain is missing raises MissingToolchainError carrying the fix."""
+    requested = _split(requested) or ["auto"]
+    for t in requested:
+        if t not in ("auto", "all", *TARGETS):
+            raise ValueError(f"targets: unknown target {t!r}; choose from auto, all, {', '.join(TARGETS)}")
+    explicit = list(TARGETS) if "all" in requested else [t for t in requested if t in TARGETS]
     chosen: list[str] = []
-    explicit = [t for t in requested if t not in ("auto", "all")]
-    if "all" in requested:
-        explicit = list(TARGETS)
+    missing = []
     for t in explicit:
-        if t not in TARGETS:
-            raise ValueError(f"unknown target {t!r}; choose from auto, all, {', '.join(TARGETS)}")
         tc = toolchains.find(t)
-        if not tc.available:
-            raise MissingToolchainError(f"target {t}: {tc.detail}. Fix: {tc.fix}")
-        chosen.append(t)
+        if tc.available:
+            chosen.append(t)
+        else:
+            missing.append(f"target {t}: {tc.detail}\n  fix: {tc.fix}")
+    if missing:
+        raise MissingToolchainError("\n".join(missing))
+    skipped: dict[str, str] = {}
     if "auto" in requested:
         for t in TARGETS:
             tc = toolchains.find(t)
-            if tc.available:
-                if t not in chosen:
-                    chosen.append(t)
-            else:
+            if not tc.available:
                 skipped[t] = f"{tc.detail} (fix: {tc.fix})"
-    return chosen, skipped
+            elif t not in chosen:
+                chosen.append(t)
+    return [t for t in TARGETS if t in chosen], skipped
 
 
-def plan(manifest: Manifest, targets: list[str], only: list[str] | None,
-         archs: list[str] | None) -> tuple[list[Unit], dict[str, str]]:
+def plan(manifest: Manifest, targets: list[str], only: list[str] | None = None,
+         archs: list[str] | None = None) -> tuple[list[Unit], dict[str, str]]:
+    """Build units for `targets`; cuda: each manifest arch plus its ptx_arch, or exactly `archs`."""
     skipped: dict[str, str] = {}
     specs = list(manifest.kernels)
     if only:
-        names = {k.name for k in specs}
+        names = [k.name for k in specs]
         unknown = [n for n in only if n not in names]
         if unknown:
-            raise ValueError(f"--only: unknown kernel(s) {', '.join(unknown)}; declared: {', '.join(sorted(names))}")
+            raise ValueError(f"only: unknown kernel(s) {', '.join(unknown)} in {manifest.path}; "
+                             f"declared: {', '.join(names)}")
         specs = [k for k in specs if k.name in only]
     units: list[Unit] = []
     for spec in specs:
@@ -176,174 +161,316 @@ def plan(manifest: Manifest, targets: list[str], only: list[str] | None,
             if t not in spec.targets:
                 skipped[f"{spec.name} {t}"] = f"kernel declares no {t} sources"
                 continue
-            if t == "cuda":
-                tspec = spec.targets[t]
-                wanted = archs or list(tspec.archs)
-                if not wanted:
-                    skipped[f"{spec.name} cuda"] = "no cuda.archs in the manifest and no --arch given"
-                for a in wanted:
-                    units.append(Unit(spec, t, a))
-                if tspec.ptx_arch and not archs:
-                    units.append(Unit(spec, t, tspec.ptx_arch))
-            else:
+            if t != "cuda":
                 units.append(Unit(spec, t, None))
+                continue
+            tspec = spec.targets[t]
+            wanted = list(archs) if archs else [*tspec.archs, *([tspec.ptx_arch] if tspec.ptx_arch else [])]
+            if not wanted:
+                skipped[f"{spec.name} cuda"] = "no cuda.archs/ptx_arch in the manifest and no --arch given"
+            units.extend(Unit(spec, t, a) for a in wanted)
     return units, skipped
 
 
-# ----------------------------------------------------------------------------- commands
+# ----------------------------------------------------------------------------- one unit
 
-def _includes(unit: Unit) -> list[str]:
-    return [f"-I{p}" for p in unit.spec.include_paths(unit.target)]
-
-
-def commands(unit: Unit, tmp: Path, tc: toolchains.Toolchain) -> tuple[list[list[str]], Path]:
-    """The exact argv list for one unit and the file it produces in `tmp`."""
-    spec, tspec = unit.spec, unit.spec.targets[unit.target]
-    sources = [str(p) for p in spec.source_paths(unit.target)]
-    out = tmp / f"{spec.name}.{unit.kind}"
-    if unit.target == "cpu":
-        return [[*tc.command, "-std=c++17", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", *_includes(unit),
-                 *tspec.flags, *sources, "-o", str(out)]], out
-    if unit.target == "cuda":
-        if len(sources) != 1:
-            raise BuildError(unit.label, [], f"cuda.sources must list exactly one translation unit (the launcher "
-                                             f"loads one module); got {len(sources)}: put shared code in headers",
-                             sources)
-        mode = "-ptx" if unit.kind == "ptx" else "-cubin"
-        return [[*tc.command, mode, f"-arch={unit.arch}", "-O3", "-std=c++17", *_includes(unit), *tspec.flags,
-                 sources[0], "-o", str(out)]], out
-    cmds, airs = [], []
-    for i, src in enumerate(sources):
-        air = tmp / f"{i}_{Path(src).stem}.air"
-        airs.append(str(air))
-        cmds.append([*tc.command, "metal", f"-std={tspec.std}", "-O3", f"-mmacosx-version-min={tspec.macos_min}",
-                     *_includes(unit), *tspec.flags, "-MMD", "-MF", f"{air}.d", "-c", src, "-o", str(air)])
-    cmds.append([*tc.command, "metallib", *airs, "-o", str(out)])
-    return cmds, out
+@dataclass(frozen=True)
+class _Options:
+    out: Path
+    force: bool
+    dry_run: bool
+    verbose: bool
+    log: Log | None
+    timeout: float
 
 
-def _flags_for_key(unit: Unit) -> list[str]:
-    tspec = unit.spec.targets[unit.target]
-    return [*tspec.flags, f"std={tspec.std}", f"macos_min={tspec.macos_min}"] if unit.target == "metal" \
-        else list(tspec.flags)
+def _sources(unit: Unit) -> list[str]:
+    return [str(p) for p in unit.sources()]
 
 
-# ----------------------------------------------------------------------------- building one unit
-
-def _run(cmd: list[str], unit: Unit, log: Log | None, verbose: bool) -> None:
-    if verbose and log:
-        log("  $ " + " ".join(cmd))
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if verbose and log and (p.stdout or p.stderr):
-        log((p.stdout + p.stderr).rstrip())
+def _run(cmd: list[str], unit: Unit, opts: _Options) -> None:
+    """Run one compiler command; --verbose streams the command and its output as it comes."""
+    say = opts.log if (opts.verbose and opts.log) else None
+    if say:
+        say(f"  [{unit.label}] $ {shlex.join(cmd)}")
+    try:
+        p = subprocess.Popen(cmd, cwd=unit.root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, errors="replace")
+    except OSError as e:
+        raise BuildError(unit.label, cmd, f"cannot run {cmd[0]}: {e}", _sources(unit)) from None
+    lines = []
+    with p:
+        for line in p.stdout:
+            lines.append(line)
+            if say:
+                say(f"  [{unit.label}] {line.rstrip()}")
     if p.returncode != 0:
-        raise BuildError(unit.label, cmd, f"exit code {p.returncode}\n{p.stdout}{p.stderr}",
-                         [str(s) for s in unit.spec.source_paths(unit.target)])
+        raise BuildError(unit.label, cmd, f"exit code {p.returncode}\n{''.join(lines)}", _sources(unit))
 
 
-def build_unit(unit: Unit, out_dir: Path, *, force: bool, dry_run: bool, verbose: bool,
-               log: Log | None) -> UnitResult:
+def _check_dependencies(unit: Unit, depfiles: list[Path], cmd: list[str]) -> None:
+    """Every project file the compiler read must be one the include scan hashes, or edits to it
+    would not change the artifact's digest (e.g. an `#include MACRO`)."""
+    scanned = set(dependency_files(unit.spec, unit.target))
+    missed: list[str] = []
+    for dep in depfiles:
+        if not dep.is_file():
+            raise BuildError(unit.label, cmd, f"the compiler did not write its dependency file {dep}", _sources(unit))
+        for p in parse_depfile(dep, unit.root):
+            if p.is_relative_to(unit.root) and p not in scanned and p.is_file() and str(p) not in missed:
+                missed.append(str(p))
+    if missed:
+        raise BuildError(unit.label, cmd, f"the compiler read {', '.join(missed)}, which the include scan does not "
+                                          f"reach, so editing it would not mark the artifact stale. Include it with "
+                                          f"a literal #include \"...\" (or <...> inside include_dirs).", _sources(unit))
+
+
+def _check_output(unit: Unit, path: Path, cmd: list[str]) -> None:
+    wanted = list(dict.fromkeys(unit.spec.entries.values()))
+    try:
+        missing = symbols.missing_entries(path, unit.kind, wanted)
+        sm = symbols.cubin_sm(path) if unit.kind == "cubin" else None
+    except (OSError, ValueError) as e:
+        raise BuildError(unit.label, cmd, f"cannot read the artifact: {e}", _sources(unit)) from None
+    if missing:
+        how = {"so": "exported from the shared library (extern \"C\" with default visibility)",
+               "cubin": "in the cubin's symbol table (extern \"C\" __global__)",
+               "ptx": "an .entry of the PTX (extern \"C\" __global__)",
+               "metallib": "a function of the metallib ([[kernel]] with [[host_name(...)]])"}[unit.kind]
+        raise BuildError(unit.label, cmd, f"entry symbol(s) {', '.join(missing)} declared in kernels.yaml `entries` "
+                                          f"are not {how}", _sources(unit))
+    if sm is not None and sm != parse_cuda_arch(unit.arch)[1]:
+        raise BuildError(unit.label, cmd, f"the cubin targets sm_{sm}, not {unit.arch}", _sources(unit))
+
+
+def _fresh(unit: Unit, out: Path, key: str) -> IndexEntry | None:
+    entry = read_index(out)[0].get(unit.slot)
+    if entry is None or entry.key != key:
+        return None
+    path = out / entry.file
+    return entry if path.is_file() and sha256_file(path) == entry.sha256 else None
+
+
+def _remove_leftovers(unit: Unit, out: Path) -> None:
+    """Temp dirs of this unit's killed builds. Only the holder of the unit lock creates them, so
+    under that lock every one found belongs to a dead build."""
+    for p in out.glob(f"{TMP_PREFIX}{unit.tag}-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _prune(unit: Unit, out: Path, keep: str) -> None:
+    """Superseded files and orphans of killed builds (moved into place, never indexed) of this unit."""
+    d = out / unit.rel_dir()
+    pattern = unit.file_pattern()
+    for p in d.iterdir():
+        if p.name != keep and pattern.match(p.name):
+            p.unlink(missing_ok=True)
+
+
+def build_unit(unit: Unit, opts: _Options) -> UnitResult:
     start = time.monotonic()
+    out = opts.out
     tc = toolchains.find(unit.target)
-    digest = source_digest(unit.spec, unit.target)
-    key = build_key(digest, tc.identity, _flags_for_key(unit), unit.arch)
+    inputs = source_inputs(unit.spec, unit.target)
+    try:
+        key_cmds = key_commands(unit, tc)
+    except ValueError as e:
+        raise BuildError(unit.label, None, str(e), _sources(unit)) from None
+    key = build_key(inputs.digest, tc.identity, key_cmds, unit.arch)
     res = UnitResult(unit.spec.name, unit.target, unit.arch, "fresh", key=key)
 
-    def fresh() -> IndexEntry | None:
-        entry = read_index(out_dir)[0].get(unit.slot)
-        if entry and entry.key == key and (out_dir / entry.file).is_file() and \
-                sha256_file(out_dir / entry.file) == entry.sha256:
-            return entry
-        return None
-
-    if dry_run:
-        cmds, _ = commands(unit, out_dir / ".tmp-dry-run", tc)
-        res.commands = cmds
-        res.status = "fresh" if (not force and fresh()) else "planned"
+    def done(status: str, path: Path | None) -> UnitResult:
+        res.status, res.path, res.seconds = status, str(path) if path else None, time.monotonic() - start
         return res
 
-    lock = out_dir / ".locks" / f"{unit.spec.name}.{unit.target}.{unit.arch or 'any'}.lock"
-    with file_lock(lock):
-        entry = None if force else fresh()   # re-check under the lock: another process may have built it
-        if entry is not None:
-            res.path = str(out_dir / entry.file)
-            res.seconds = time.monotonic() - start
-            return res
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{unit.spec.name}-", dir=out_dir))
+    entry = None if opts.force else _fresh(unit, out, key)
+    if entry is not None:
+        return done("fresh", out / entry.file)
+    if opts.dry_run:
+        res.commands = recipe(unit, out / f"{TMP_PREFIX}{unit.tag}-dry-run", tc).commands
+        return done("planned", None)
+
+    with file_lock(out / UNIT_LOCKS / f"{unit.tag}.lock", opts.timeout):
+        entry = None if opts.force else _fresh(unit, out, key)
+        if entry is not None:   # another process built it while we waited for the lock
+            return done("fresh", out / entry.file)
+        _remove_leftovers(unit, out)
+        build_dir = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{unit.tag}-", dir=out))
         try:
-            cmds, produced = commands(unit, tmp, tc)
-            res.commands = cmds
-            for cmd in cmds:
-                _run(cmd, unit, log, verbose)
-            wanted = list(unit.spec.entries.values())
-            missing = symbols.missing_entries(produced, unit.kind, wanted)
-            if missing:
-                raise BuildError(unit.label, cmds[-1], f"the artifact lacks the entry symbol(s) {', '.join(missing)} "
-                                                        f"declared in kernels.yaml `entries` (extern \"C\"?)",
-                                 [str(s) for s in unit.spec.source_paths(unit.target)])
-            rel = Path(unit.spec.name) / unit.target / unit.file_name(key)
-            final = out_dir / rel
+            r = recipe(unit, build_dir, tc)
+            res.commands = r.commands
+            for cmd in r.commands:
+                _run(cmd, unit, opts)
+            _check_dependencies(unit, r.depfiles, r.commands[0])
+            _check_output(unit, r.output, r.commands[-1])
+            if source_inputs(unit.spec, unit.target).digest != inputs.digest:
+                raise BuildError(unit.label, None, "the sources changed while compiling; run compile again",
+                                 _sources(unit))
+            final = out / unit.rel_dir() / unit.file_name(key)
             final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(produced, final)
-            new = IndexEntry(kernel=unit.spec.name, target=unit.target, arch=unit.arch, file=rel.as_posix(),
-                             sha256=sha256_file(final), key=key, source_digest=digest,
-                             entries=dict(unit.spec.entries), compiler=tc.identity, flags=_flags_for_key(unit))
-            with file_lock(out_dir / ".lock"):
-                index, _ = read_index(out_dir)
-                old = index.get(unit.slot)
+            os.replace(r.output, final)
+            new = IndexEntry(kernel=unit.spec.name, target=unit.target, arch=unit.arch,
+                             file=(unit.rel_dir() / final.name).as_posix(), sha256=sha256_file(final), key=key,
+                             source_digest=inputs.digest, entries=dict(unit.spec.entries), compiler=tc.identity,
+                             commands=key_cmds, inputs=dict(inputs.files), package_version=__version__)
+            with file_lock(out / INDEX_LOCK, opts.timeout):
+                index, problem = read_index(out)
+                if problem and opts.log:
+                    opts.log(f"warning: replacing {problem}")
                 index[unit.slot] = new
-                write_index(out_dir, index)
-            if old is not None and old.file != new.file:
-                (out_dir / old.file).unlink(missing_ok=True)   # superseded; the index no longer names it
-            res.status, res.path = "built", str(final)
+                write_index(out, index)
+            _prune(unit, out, keep=final.name)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    res.seconds = time.monotonic() - start
-    return res
+            shutil.rmtree(build_dir, ignore_errors=True)
+    return done("built", final)
 
 
 # ----------------------------------------------------------------------------- entry point
 
-def compile_kernels(targets: tuple[str, ...] | list[str] = ("auto",), out_dir: str | Path | None = None,
-                    only: list[str] | None = None, archs: list[str] | None = None, force: bool = False,
-                    jobs: int | None = None, dry_run: bool = False, verbose: bool = False,
-                    log: Log | None = None, manifest: str | Path | Manifest | None = None) -> CompileReport:
-    """Compile the manifest's kernels for `targets` ('auto', 'all', 'metal', 'cuda', 'cpu').
+def compile_kernels(targets: str | Iterable[str] = ("auto",), out_dir: str | Path | None = None,
+                    only: str | Iterable[str] | None = None, archs: str | Iterable[str] | None = None,
+                    force: bool = False, jobs: int | None = None, log: Log | None = None, *,
+                    dry_run: bool = False, verbose: bool = False,
+                    manifest: str | Path | Manifest | None = None) -> CompileReport:
+    """Compile the manifest's kernels ahead of time (the CLI's `compile` is a thin layer over this).
 
-    Raises MissingToolchainError for an explicitly requested target without its toolchain,
-    ValueError for bad arguments; build failures are reported in the result (status 'failed')."""
+    targets   'auto' (what this machine's toolchains can build; the rest lands in report.skipped),
+              'all', or any of 'metal', 'cuda', 'cpu' (lists or comma strings)
+    out_dir   default: MLX_AOT_CACHE_DIR, else registry/_artifacts when writable, else the user cache
+    only      kernel names; archs: CUDA archs (sm_XX cubins, compute_XX PTX), replacing the manifest's
+    jobs      parallel units (default: CPU count); log: receives progress lines
+    Raises MissingToolchainError for an explicit target without its toolchain, ValueError for bad
+    arguments, OSError for an unusable output dir; a failed unit is reported (status 'failed',
+    message with the command, compiler output and sources), never raised."""
+    start = time.monotonic()
     m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
-    out = Path(out_dir) if out_dir is not None else default_output_dir()
-    chosen, skipped = resolve_targets(tuple(targets))
-    for a in archs or []:
-        if not (a.startswith("sm_") or a.startswith("compute_")):
-            raise ValueError(f"--arch: {a!r} is not a CUDA arch like sm_90 or compute_80")
-    units, plan_skipped = plan(m, chosen, only, archs)
-    skipped.update(plan_skipped)
-    report = CompileReport(out_dir=str(out), skipped=skipped)
-    if not dry_run:
-        out.mkdir(parents=True, exist_ok=True)
-    n = len(units)
-
-    def one(i_unit: tuple[int, Unit]) -> UnitResult:
-        i, unit = i_unit
+    arch_list = _split(archs)
+    for a in arch_list:
         try:
-            r = build_unit(unit, out, force=force, dry_run=dry_run, verbose=verbose, log=log)
-        except BuildError as e:
+            parse_cuda_arch(a)
+        except ValueError as e:
+            raise ValueError(f"archs: {e}") from None
+    chosen, skipped = resolve_targets(targets)
+    units, plan_skipped = plan(m, chosen, _split(only) or None, arch_list or None)
+    skipped.update(plan_skipped)
+    out = Path(out_dir) if out_dir is not None else default_output_dir()
+    report = CompileReport(out_dir=str(out), targets=chosen, skipped=skipped)
+    if not dry_run and units:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(f"output directory {out} is not writable; pass --out DIR or set MLX_AOT_CACHE_DIR")
+    opts = _Options(out, force, dry_run, verbose, log, lock_timeout())
+    n, finished, counter = len(units), [0], threading.Lock()
+
+    def one(unit: Unit) -> UnitResult:
+        try:
+            r = build_unit(unit, opts)
+        except (BuildError, LockTimeoutError) as e:
             r = UnitResult(unit.spec.name, unit.target, unit.arch, "failed", message=str(e),
-                           commands=[e.command] if e.command else [])
-        except LockTimeoutError as e:
-            r = UnitResult(unit.spec.name, unit.target, unit.arch, "failed", message=str(e))
+                           commands=[e.command] if getattr(e, "command", None) else [])
         if log:
+            with counter:
+                finished[0] += 1
+                i = finished[0]
             log(f"[{i}/{n}] {r.label:<34} {r.status:<7} {r.seconds:6.2f}s" + (f"  {r.path}" if r.path and verbose else ""))
             if r.status == "failed":
                 log(r.message)
             if dry_run:
                 for cmd in r.commands:
-                    log("  $ " + " ".join(cmd))
+                    log(f"  $ {shlex.join(cmd)}")
         return r
 
-    workers = max(1, jobs or os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        report.results = list(pool.map(one, enumerate(units, 1)))
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs or os.cpu_count() or 1, max(n, 1)))) as pool:
+        report.results = list(pool.map(one, units))
+    report.seconds = time.monotonic() - start
     return report
+
+
+# ----------------------------------------------------------------------------- list / clean
+
+@dataclass
+class ArtifactState:
+    kernel: str
+    target: str
+    arch: str | None
+    state: str                 # fresh | stale | missing (as the registry would see it)
+    path: str | None
+    detail: str                # why stale/missing, with the fix
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel} {self.target}" + (f" {self.arch}" if self.arch else "")
+
+
+def artifact_states(manifest: Manifest, dirs: list[Path], only: list[str] | None = None) -> list[ArtifactState]:
+    """The state of every unit the manifest declares (cuda: its archs and ptx_arch) plus any other
+    indexed arch, searched in `dirs` in order like the registry does. Needs no toolchain."""
+    from registry.artifacts import check_entry, fix_command
+
+    units, _ = plan(manifest, list(TARGETS), _split(only) or None)
+    indexes = [(d, read_index(d)) for d in dirs]
+    names = {u.spec.name: u.spec for u in units}
+    slots = [u.slot for u in units]
+    for _, (index, _) in indexes:
+        slots += [s for s in index if s[0] in names and s[1] in names[s[0]].targets and s not in slots]
+    inputs_cache: dict[tuple[str, str], object] = {}
+    out = []
+    for name, target, arch in slots:
+        spec = names[name]
+        current = inputs_cache.setdefault((name, target), source_inputs(spec, target))
+        why: list[str] = []
+        state = None
+        for d, (index, problem) in indexes:
+            if problem:
+                why.append(problem)
+                continue
+            entry = index.get((name, target, arch))
+            if entry is None:
+                continue
+            reason = check_entry(d, entry, current)
+            if reason is None:
+                state = ArtifactState(name, target, arch, "fresh", str(d / entry.file), "")
+                break
+            why.append(reason)
+        if state is None:
+            fix = fix_command(spec, target) + (f" --arch {arch}" if arch else "")
+            state = ArtifactState(name, target, arch, "stale" if why else "missing", None,
+                                  "; ".join(why + [fix]))
+        out.append(state)
+    return out
+
+
+def clean_artifacts(out: Path, kernel_names: Iterable[str], only: list[str] | None = None) -> list[str]:
+    """Remove artifacts from `out`: the index (or the kernels' index entries) first, so nothing
+    half-removed is ever loaded, then the kernels' folders and leftover temp dirs. Only paths this
+    pipeline creates are touched, and only under the locks of the builds they belong to (lock files
+    themselves stay: deleting a lock file someone waits on would let two processes "hold" it)."""
+    from contextlib import ExitStack
+
+    from registry.artifacts import INDEX_NAME
+
+    removed: list[str] = []
+    if not out.is_dir():
+        return removed
+    timeout = lock_timeout()
+    with file_lock(out / INDEX_LOCK, timeout):
+        index, _ = read_index(out)
+        names = list(only) if only else sorted({s[0] for s in index} | set(kernel_names))
+        if only:
+            if (out / INDEX_NAME).is_file():
+                write_index(out, {s: e for s, e in index.items() if s[0] not in only})
+        elif (out / INDEX_NAME).is_file():
+            (out / INDEX_NAME).unlink()
+            removed.append(str(out / INDEX_NAME))
+        for name in names:
+            with ExitStack() as stack:
+                for lock in sorted((out / UNIT_LOCKS).glob(f"{name}.*.lock")):
+                    stack.enter_context(file_lock(lock, timeout))
+                for p in [out / name, *out.glob(f"{TMP_PREFIX}{name}.*")]:
+                    if p.is_dir():
+                        shutil.rmtree(p)
+                        removed.append(str(p))
+        if not only:
+            for p in out.glob(".index.*.tmp"):
+                p.unlink(missing_ok=True)
+    return removed

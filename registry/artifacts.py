@@ -1,15 +1,19 @@
 """Compiled artifacts on disk: where they live, how they are keyed, and the index that says which
-file is current. Written by `python -m build_tools compile`, read by the registry at kernel-set
-build time (never per kernel call).
+file is current. Written by `python -m build_tools compile`, read by the registry once per kernel-set
+build (never per kernel call). docs/build.md describes the layout, keys and failure modes.
 
 Layout of an artifact directory:
-    index.json                                   written last, atomically (the commit marker)
-    <kernel>/<target>/<kernel>.<key16>.<ext>     content-keyed files: .so (cpu), .sm_90.cubin /
-                                                 .compute_80.ptx (cuda), .metallib (metal)
-    .lock                                        fcntl lock held by a compiling process
+    index.json                                      written last, atomically (the commit marker)
+    <kernel>/<target>/<kernel>.<key16>[.<arch>].<ext>  content-keyed files: .so (cpu), .sm_90.cubin /
+                                                    .compute_80.ptx (cuda), .metallib (metal)
+    .lock, .locks/                                  fcntl locks of compiling processes
+    .tmp-*/                                         private build dirs (leftovers of killed builds)
 
-The registry loads a file only if its index entry's source_digest equals the digest of the current
-manifest entry and sources (computed here, no toolchain needed) and the file's sha256 matches.
+Two digests, both sha256 over canonical JSON (never Python's hash()):
+  source_digest  manifest entry + every source and included header + package version + schema.
+                 Needs no toolchain: the registry recomputes it at run time and refuses a mismatch.
+  key            source_digest + compiler identity + the exact (path-normalised) commands + arch.
+                 `compile` skips a unit whose index entry carries the same key and an intact file.
 """
 
 from __future__ import annotations
@@ -19,9 +23,8 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 from . import envs
 from ._version import __version__
@@ -29,9 +32,14 @@ from .manifest import KernelSpec
 from .paths import PACKAGE_DIR
 
 INDEX_NAME = "index.json"
-INDEX_SCHEMA = 1
-KEY_SCHEMA_VERSION = 1
-_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+INDEX_SCHEMA = 2
+KEY_SCHEMA_VERSION = 2
+# `#include "x"` and `#include <x>`; angle includes count only when they resolve inside the
+# kernel's include_dirs (anything else belongs to the toolchain, whose identity is in the key).
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^">\n]+)[">]', re.M)
+_CUDA_ARCH = re.compile(r"^(sm|compute)_([0-9]{2,3})([af]?)$")
+# The pseudo-input naming the kernel's manifest entry in `inputs` (a real path never starts with "<").
+MANIFEST_INPUT = "<kernels.yaml entry>"
 
 
 # ----------------------------------------------------------------------------- locations
@@ -74,53 +82,75 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
 def dependency_files(spec: KernelSpec, target: str) -> list[Path]:
-    """Sources plus every header they include with #include "..." (recursively), resolved against
-    the including file's directory, then the target's include dirs. <system> headers belong to the
-    toolchain, whose identity is part of the build key."""
-    include_dirs = spec.include_paths(target)
+    """The target's sources plus every header they include, recursively (resolved paths, sources
+    first). `#include "x"` is looked up next to the including file, then in the include dirs;
+    `#include <x>` in the include dirs only. The build cross-checks this scan against the
+    compiler's own dependency output (build_tools/compiler.py), so a header reached another way
+    (a computed #include) fails the build instead of silently missing from the key."""
+    include_dirs = [p.resolve() for p in spec.include_paths(target)]
     seen: dict[Path, None] = {}
-    stack = list(spec.source_paths(target))
-    while stack:
-        path = stack.pop(0).resolve()
+    queue = [p.resolve() for p in spec.source_paths(target)]
+    while queue:
+        path = queue.pop(0)
         if path in seen or not path.is_file():
             continue
         seen[path] = None
-        for name in _INCLUDE.findall(path.read_text(encoding="utf-8", errors="replace")):
-            for base in [path.parent, *include_dirs]:
-                candidate = base / name
+        for quote, name in _INCLUDE.findall(path.read_text(encoding="utf-8", errors="replace")):
+            bases = ([path.parent] if quote == '"' else []) + include_dirs
+            for base in bases:
+                candidate = (base / name).resolve()
                 if candidate.is_file():
-                    stack.append(candidate)
+                    queue.append(candidate)
                     break
     return list(seen)
 
 
-def source_digest(spec: KernelSpec, target: str) -> str:
-    """sha256 over everything that defines the kernel's code for `target`, toolchain excluded: the
-    manifest fields that reach the binary (name, signature, entries, the target's block; not
-    description, enable, requires or prefer, which change selection, not code), the bytes of every
-    source and included header (keyed by path relative to the manifest), the package version and
-    the key schema."""
-    h = hashlib.sha256()
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+@dataclass(frozen=True)
+class SourceInputs:
+    """Everything that defines a kernel's code for one target, toolchain excluded."""
+    target: str
+    files: dict[str, str]          # input name -> sha256: the manifest entry and each source/header
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(_canonical({"key_schema": KEY_SCHEMA_VERSION, "package": __version__,
+                                          "target": self.target, "inputs": self.files})).hexdigest()
+
+
+def source_inputs(spec: KernelSpec, target: str) -> SourceInputs:
+    """The manifest fields that reach the binary (name, signature, entries, the target's block; not
+    description, enable, requires or prefer, which change selection, not code) and the sha256 of
+    every source and included header, keyed by path relative to the manifest's directory (so a
+    moved checkout keeps its artifacts)."""
     entry = {k: spec.raw.get(k) for k in ("name", "signature", "entries", target)}
-    h.update(json.dumps({"key_schema": KEY_SCHEMA_VERSION, "package": __version__, "target": target,
-                         "entry": entry}, sort_keys=True, separators=(",", ":")).encode())
+    files = {MANIFEST_INPUT: hashlib.sha256(_canonical(entry)).hexdigest()}
     root = spec.root.resolve()
     for path in dependency_files(spec, target):
-        try:
-            rel = path.relative_to(root).as_posix()
-        except ValueError:
-            rel = path.as_posix()
-        h.update(b"\0" + rel.encode() + b"\0")
-        h.update(path.read_bytes())
-    return h.hexdigest()
+        files[_rel(path, root)] = sha256_file(path)
+    return SourceInputs(target, files)
 
 
-def build_key(digest: str, compiler: str, flags: list[str], arch: str | None) -> str:
-    """The full content key of one artifact: source digest + compiler identity + flags + arch."""
-    payload = json.dumps({"source": digest, "compiler": compiler, "flags": flags, "arch": arch},
-                         sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(payload.encode()).hexdigest()
+def source_digest(spec: KernelSpec, target: str) -> str:
+    return source_inputs(spec, target).digest
+
+
+def build_key(digest: str, compiler: str, commands: list[list[str]], arch: str | None) -> str:
+    """The content key of one artifact: source digest + compiler identity + the exact commands
+    (paths normalised, so every fixed flag, include dir and yaml flag counts) + arch."""
+    return hashlib.sha256(_canonical({"source": digest, "compiler": compiler, "commands": commands,
+                                      "arch": arch})).hexdigest()
 
 
 # ----------------------------------------------------------------------------- index
@@ -130,114 +160,190 @@ class IndexEntry:
     kernel: str
     target: str
     arch: str | None
-    file: str            # relative to the artifact dir
-    sha256: str
-    key: str
-    source_digest: str
-    entries: dict[str, str]
+    file: str                  # relative to the artifact dir
+    sha256: str                # of the file
+    key: str                   # build key (toolchain included)
+    source_digest: str         # toolchain-free digest the registry recomputes
+    entries: dict[str, str]    # dtype -> entry symbol, checked present in the file
     compiler: str
-    flags: list[str] = field(default_factory=list)
+    commands: list[list[str]]  # as hashed into the key (paths normalised)
+    inputs: dict[str, str]     # what source_digest covered: name -> sha256 (explains staleness)
+    package_version: str
 
     @property
     def slot(self) -> tuple[str, str, str | None]:
         return (self.kernel, self.target, self.arch)
 
 
+_ENTRY_FIELDS = {f.name for f in fields(IndexEntry)}
+
+
 def read_index(directory: Path) -> tuple[dict[tuple, IndexEntry], str | None]:
-    """(entries by (kernel, target, arch), problem) — a missing index is empty without a problem."""
-    path = directory / INDEX_NAME
-    if not path.is_file():
-        return {}, None
+    """(entries by (kernel, target, arch), problem); a missing index is empty without a problem."""
+    path = Path(directory) / INDEX_NAME
     try:
-        data = json.loads(path.read_text())
-        if data.get("schema") != INDEX_SCHEMA:
-            return {}, f"{path}: index schema {data.get('schema')!r} is not {INDEX_SCHEMA}"
-        entries = [IndexEntry(**e) for e in data["artifacts"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}, None
+    except OSError as e:
+        return {}, f"{path}: unreadable index ({e})"
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("schema") != INDEX_SCHEMA:
+            got = data.get("schema") if isinstance(data, dict) else None
+            return {}, f"{path}: index schema {got!r} is not {INDEX_SCHEMA} (written by another version)"
+        entries = []
+        for raw in data["artifacts"]:
+            if set(raw) != _ENTRY_FIELDS:
+                raise ValueError(f"artifact fields {sorted(raw)} are not {sorted(_ENTRY_FIELDS)}")
+            entries.append(IndexEntry(**raw))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         return {}, f"{path}: unreadable index ({e})"
     return {e.slot: e for e in entries}, None
 
 
 def write_index(directory: Path, entries: dict[tuple, IndexEntry]) -> None:
-    """Atomically replace the index (temp file in the same directory + os.replace)."""
+    """Atomically replace the index: temp file in the same directory, fsync, os.replace."""
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     payload = {"schema": INDEX_SCHEMA, "package_version": __version__,
-               "artifacts": [e.__dict__ for e in sorted(entries.values(), key=lambda e: (e.kernel, e.target,
-                                                                                        e.arch or ""))]}
-    fd, tmp = tempfile.mkstemp(prefix=".index.", dir=directory)
+               "artifacts": [asdict(e) for e in sorted(entries.values(),
+                                                       key=lambda e: (e.kernel, e.target, e.arch or ""))]}
+    fd, tmp = tempfile.mkstemp(prefix=".index.", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=1, sort_keys=True)
+            f.write("\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, directory / INDEX_NAME)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def why_stale(entry: IndexEntry, current: SourceInputs) -> str:
+    """Which inputs differ between the build recorded in `entry` and the sources now."""
+    if entry.package_version != __version__:
+        return f"built by mlx-aot-kernels {entry.package_version}, this is {__version__}"
+    old, new = entry.inputs, current.files
+    parts = []
+    if old.get(MANIFEST_INPUT) != new.get(MANIFEST_INPUT):
+        parts.append(f"its kernels.yaml entry ({entry.kernel}: signature/entries/{entry.target}) changed")
+    changed = sorted(k for k in old.keys() & new.keys() if k != MANIFEST_INPUT and old[k] != new[k])
+    added = sorted(new.keys() - old.keys())
+    removed = sorted(old.keys() - new.keys())
+    if changed:
+        parts.append("changed: " + ", ".join(changed))
+    if added:
+        parts.append("now also includes: " + ", ".join(added))
+    if removed:
+        parts.append("no longer includes: " + ", ".join(removed))
+    return "; ".join(parts) or "built with another key schema"
+
+
+def check_entry(directory: Path, entry: IndexEntry, current: SourceInputs) -> str | None:
+    """None if `entry` is loadable now, else why not (names the file)."""
+    path = Path(directory) / entry.file
+    if entry.source_digest != current.digest:
+        return f"{path} is stale ({why_stale(entry, current)})"
+    if not path.is_file():
+        return f"{path} is listed in {Path(directory) / INDEX_NAME} but missing"
+    if sha256_file(path) != entry.sha256:
+        return f"{path} does not match its sha256 in the index (corrupt or half-written)"
+    return None
 
 
 # ----------------------------------------------------------------------------- runtime lookup
 
 @dataclass(frozen=True)
 class Lookup:
-    path: Path | None
-    reason: str
-    entries: dict[str, str] = field(default_factory=dict)
+    path: Path | None          # the artifact to load, or None
+    reason: str                # why it was chosen, or why nothing is usable and the fix command
+    entries: dict[str, str] = field(default_factory=dict)   # dtype -> entry symbol
 
 
-def _arch_number(arch: str) -> int:
-    return int(re.sub(r"\D", "", arch.split("_", 1)[1]) or 0)
+def parse_cuda_arch(arch: str) -> tuple[str, int, str]:
+    """'sm_90a' -> ('sm', 90, 'a'); ValueError naming the expected form otherwise."""
+    m = _CUDA_ARCH.match(arch or "")
+    if not m:
+        raise ValueError(f"{arch!r} is not a CUDA arch like sm_90 or compute_80")
+    return m.group(1), int(m.group(2)), m.group(3)
 
 
-def _fix(spec: KernelSpec, target: str) -> str:
-    return f"run: python -m build_tools compile --only {spec.name} --target {target}"
+def fix_command(spec: KernelSpec, target: str, arch: str | None = None) -> str:
+    cmd = f"python -m build_tools compile --only {spec.name} --target {target}"
+    tspec = spec.targets.get(target)
+    if target == "cuda" and arch and tspec is not None and arch not in tspec.archs:
+        cmd += f" --arch {arch}"   # the manifest's default list does not cover this device
+    return f"run: {cmd}"
 
 
-def check_entry(directory: Path, entry: IndexEntry, digest: str) -> str | None:
-    """None if `entry` is loadable now, else why not."""
-    path = directory / entry.file
-    if entry.source_digest != digest:
-        return f"{path} was built from other sources (stale)"
-    if not path.is_file():
-        return f"{path} is listed in {directory / INDEX_NAME} but missing"
-    if sha256_file(path) != entry.sha256:
-        return f"{path} does not match its sha256 in the index (corrupt or half-written)"
-    return None
+def _cuda_candidates(index: dict, name: str, arch: str) -> list[IndexEntry]:
+    """The exact cubin, then PTX whose compute arch the device can JIT (newest first). Arch-specific
+    PTX (compute_90a) only serves the identical device arch."""
+    _, dev, dev_suffix = parse_cuda_arch(arch)
+    out = [index[(name, "cuda", arch)]] if (name, "cuda", arch) in index else []
+    ptx = []
+    for (k, t, a), e in index.items():
+        if k != name or t != "cuda" or not a or not a.startswith("compute_"):
+            continue
+        _, num, suffix = parse_cuda_arch(a)
+        if num <= dev and (not suffix or (num == dev and suffix == dev_suffix)):
+            ptx.append((num, e))
+    out.extend(e for _, e in sorted(ptx, key=lambda p: -p[0]))
+    return out
 
 
 def lookup(spec: KernelSpec, target: str, *, arch: str | None = None) -> Lookup:
-    """Find the artifact of `spec` for `target` (cuda: for device arch like 'sm_90': the exact cubin,
-    else a PTX whose compute arch is not newer than the device). Never raises for artifact problems:
-    the reason says what was tried and the command that fixes it."""
+    """The artifact of `spec` for `target` (cuda: `arch` is the device's, like 'sm_90': the exact
+    cubin, else a PTX whose compute arch is not newer than the device). Reads each index once,
+    hashes the sources once and the chosen file once; never raises for artifact problems: the
+    reason says what was tried and the command that fixes it."""
     if target not in spec.targets:
         return Lookup(None, f"kernel {spec.name!r} declares no {target} sources in {spec.root / 'kernels.yaml'}")
-    digest = source_digest(spec, target)
+    if target == "cuda":
+        try:
+            if arch is None or parse_cuda_arch(arch)[0] != "sm":
+                raise ValueError(f"{arch!r} is not a device arch like sm_90")
+        except ValueError as e:
+            return Lookup(None, f"cuda lookup needs the device arch: {e}")
+    elif arch is not None:
+        return Lookup(None, f"{target} artifacts have no arch; got arch={arch!r}")
+    current = source_inputs(spec, target)
     tried: list[str] = []
     for directory in artifact_dirs():
         index, problem = read_index(directory)
         if problem:
             tried.append(problem)
             continue
-        candidates: list[IndexEntry] = []
         if target == "cuda":
-            if arch is None:
-                return Lookup(None, "cuda lookup needs the device arch (e.g. sm_90)")
-            exact = index.get((spec.name, target, arch))
-            if exact is not None:
-                candidates.append(exact)
-            ptx = [e for (k, t, a), e in index.items() if k == spec.name and t == target and a
-                   and a.startswith("compute_") and _arch_number(a) <= _arch_number(arch)]
-            candidates.extend(sorted(ptx, key=lambda e: -_arch_number(e.arch)))
-        elif (spec.name, target, None) in index:
-            candidates.append(index[(spec.name, target, None)])
+            candidates = _cuda_candidates(index, spec.name, arch)
+        else:
+            candidates = [index[(spec.name, target, None)]] if (spec.name, target, None) in index else []
         if not candidates:
-            tried.append(f"{directory}: no {target}{' ' + arch if arch else ''} artifact")
+            tried.append(f"{directory}: no {target}{' ' + arch if arch else ''} artifact"
+                         + ("" if (directory / INDEX_NAME).is_file() else " (no index.json)"))
             continue
         for entry in candidates:
-            why = check_entry(directory, entry, digest)
+            why = check_entry(directory, entry, current)
             if why is None:
+                path = directory / entry.file
                 note = f" (PTX {entry.arch}, JIT-compiled by the driver for {arch})" if (
                     target == "cuda" and entry.arch != arch) else ""
-                return Lookup(directory / entry.file, f"loaded {directory / entry.file}{note}", dict(entry.entries))
+                return Lookup(path, f"loaded {path}{note}", dict(entry.entries))
             tried.append(why)
-    return Lookup(None, f"no usable {target} artifact for {spec.name!r}: {'; '.join(tried)}; {_fix(spec, target)}")
+    return Lookup(None, f"no usable {target}{' ' + arch if arch else ''} artifact for {spec.name!r}: "
+                        f"{'; '.join(tried)}; {fix_command(spec, target, arch)}")

@@ -1,6 +1,8 @@
-"""The AOT build pipeline with real compilers (g++, nvcc) and a recording stand-in for xcrun:
-artifacts, entry checks, incremental builds, content keys, stale and corrupt artifacts, locks,
-concurrent and interrupted builds, and the CLI (CliRunner and subprocess)."""
+"""The AOT build pipeline with real compilers (g++, nvcc) on tiny test kernels: artifacts and entry
+checks, content keys, incremental builds, stale/corrupt refusal, the runtime lookup, locks,
+concurrent and interrupted builds. Metal (stand-in xcrun): test_build_metal.py; CLI: test_build_cli.py.
+
+`toy_project` and `slow_compiler` are shared with those files."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -16,35 +17,45 @@ from pathlib import Path
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
 from build_tools import compile_kernels, toolchains
-from build_tools.cli import cli
-from build_tools.compiler import LockTimeoutError, MissingToolchainError, file_lock
-from build_tools.symbols import elf_symbols, ptx_entries
+from build_tools.commands import Unit, key_commands
+from build_tools.compiler import MissingToolchainError, file_lock
+from build_tools.locking import LockTimeoutError
+from build_tools.symbols import cubin_sm, exported_functions, ptx_entries
 from registry import artifacts
 from registry.manifest import load_manifest
 from registry.paths import PROJECT_ROOT
 
 HAS_NVCC = toolchains.nvcc().available
-needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="nvcc not found")
+needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="nvcc not found (CI has nvcc 13.0)")
 
+TOY_H = "#define TOY_VALUE 1.0f\n"
 TOY_CPP = '''#include "toy.h"
 extern "C" __attribute__((visibility("default"))) void toy_f32(void** args) {
   float* x = *static_cast<float**>(args[0]);
   x[0] = TOY_VALUE;
 }
 '''
-TOY_CU = '''extern "C" __global__ void toy_f32(float* x) { if (threadIdx.x == 0) x[0] = 1.0f; }
+TOY_CUH = "#define TOY_CUDA_VALUE 1.0f\n"
+TOY_CU = '''#include "toy.cuh"
+extern "C" __global__ void toy_f32(float* x) { if (threadIdx.x == 0) x[0] = TOY_CUDA_VALUE; }
+'''
+TOY_METAL = '''#include <metal_stdlib>
+#include "toy.h"
+using namespace metal;
+[[kernel, host_name("toy_f32")]] void toy_impl(device float* x [[buffer(0)]]) { x[0] = TOY_VALUE; }
 '''
 
 
-def toy_project(root: Path, *, cuda: bool = True, metal: bool = False, entry: str = "toy_f32") -> Path:
-    (root / "src").mkdir(parents=True, exist_ok=True)
-    (root / "src" / "toy.h").write_text("#define TOY_VALUE 1.0f\n")
-    (root / "src" / "toy.cpp").write_text(TOY_CPP)
-    (root / "src" / "toy.cu").write_text(TOY_CU)
-    (root / "src" / "toy.metal").write_text('#include "toy.h"\nkernel void toy_f32() {}\n')
+def toy_project(root: Path, *, cuda: bool = True, metal: bool = False, entry: str = "toy_f32",
+                archs: list[str] | None = None, ptx_arch: str | None = "compute_80") -> Path:
+    """A one-kernel manifest with its own tiny sources under `root` (independent of the real kernels)."""
+    src = root / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for name, text in {"toy.h": TOY_H, "toy.cpp": TOY_CPP, "toy.cuh": TOY_CUH, "toy.cu": TOY_CU,
+                       "toy.metal": TOY_METAL}.items():
+        (src / name).write_text(text)
     kernel = {
         "name": "toy", "kernel_attr": "toy", "description": "toy", "wrapper": "tests.toy_wrapper:build",
         "enable": {"env": "MLX_AOT_TOY", "default": True},
@@ -53,7 +64,9 @@ def toy_project(root: Path, *, cuda: bool = True, metal: bool = False, entry: st
         "cpu": {"sources": ["src/toy.cpp"], "include_dirs": ["src"]},
     }
     if cuda:
-        kernel["cuda"] = {"sources": ["src/toy.cu"], "archs": ["sm_90"], "ptx_arch": "compute_80"}
+        kernel["cuda"] = {"sources": ["src/toy.cu"], "include_dirs": ["src"], "archs": archs or ["sm_90"]}
+        if ptx_arch:
+            kernel["cuda"]["ptx_arch"] = ptx_arch
     if metal:
         kernel["metal"] = {"sources": ["src/toy.metal"], "include_dirs": ["src"], "std": "metal3.1",
                            "macos_min": "14.0"}
@@ -62,339 +75,485 @@ def toy_project(root: Path, *, cuda: bool = True, metal: bool = False, entry: st
     return path
 
 
+def edit_manifest(path: Path, fn) -> None:
+    data = yaml.safe_load(path.read_text())
+    fn(data["kernels"][0])
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def slow_compiler(path: Path, marker: Path, seconds: float, then: str = "") -> Path:
+    """A $CXX that answers --version at once but, after each real compile step, touches `marker`,
+    runs `then` (shell) and sleeps: a window in which another process or a kill can act."""
+    path.write_text(f'''#!/bin/sh
+if [ "$1" = "--version" ]; then exec g++ --version; fi
+g++ "$@" || exit $?
+touch {marker}
+{then}
+sleep {seconds}
+''')
+    path.chmod(0o755)
+    return path
+
+
+def toy(manifest: Path):
+    return load_manifest(manifest).kernel("toy")
+
+
+def statuses(report) -> dict:
+    return {(r.target, r.arch): r.status for r in report.results}
+
+
+def failures(report) -> list[str]:
+    return [r.message for r in report.results if r.status == "failed"]
+
+
 @pytest.fixture
-def isolated_cache(monkeypatch, tmp_path):
+def cache(monkeypatch, tmp_path):
+    """An artifact dir for compile and lookup alike (MLX_AOT_CACHE_DIR)."""
     out = tmp_path / "artifacts"
     monkeypatch.setenv("MLX_AOT_CACHE_DIR", str(out))
     return out
 
 
-def statuses(report):
-    return {(r.target, r.arch): r.status for r in report.results}
+@pytest.fixture
+def fresh_toolchains():
+    toolchains.clear_cache()
+    yield
+    toolchains.clear_cache()
 
 
-# ----------------------------------------------------------------------------- real kernels
+def wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
 
-@needs_nvcc
-def test_real_manifest_compiles_for_cpu_and_cuda(tmp_path):
-    out = tmp_path / "out"
-    report = compile_kernels(targets=("cpu", "cuda"), out_dir=out, archs=["sm_90", "compute_90"])
-    assert report.ok, [r.message for r in report.results]
+
+def subprocess_env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), **extra)
+    env.pop("MLX_AOT_CACHE_DIR", None)
+    return env
+
+
+def compile_argv(manifest: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "build_tools", "compile", "--target", "cpu", "--manifest", str(manifest),
+            "--out", str(out), "--json", *extra]
+
+
+# ----------------------------------------------------------------------------- the real kernels
+
+def test_real_manifest_compiles_for_cpu_and_cuda(tmp_path, monkeypatch):
     spec = load_manifest().kernel("rope_pool_fused")
-    index, problem = artifacts.read_index(out)
-    assert problem is None
-    cubin = out / index[("rope_pool_fused", "cuda", "sm_90")].file
-    assert set(spec.entries.values()) <= elf_symbols(cubin)
-    ptx = out / index[("rope_pool_fused", "cuda", "compute_90")].file
-    assert set(spec.entries.values()) <= ptx_entries(ptx)
-    so = out / index[("rope_pool_fused", "cpu", None)].file
-    assert set(spec.entries.values()) <= elf_symbols(so)
+    missing = [str(p) for t in ("cpu", "cuda") if t in spec.targets for p in spec.source_paths(t) if not p.is_file()]
+    if missing:
+        pytest.skip(f"kernel sources not written yet: {', '.join(missing)}")
+    targets = ("cpu", "cuda") if HAS_NVCC else ("cpu",)
+    out = tmp_path / "out"
+    report = compile_kernels(targets=targets, out_dir=out, archs=["sm_90"])
+    assert report.ok, failures(report)
+    monkeypatch.setenv("MLX_AOT_CACHE_DIR", str(out))
+    so = artifacts.lookup(spec, "cpu")
+    assert so.path is not None and so.entries == spec.entries
+    assert set(spec.entries.values()) <= exported_functions(so.path, "dynsym")
+    if HAS_NVCC:
+        cubin = artifacts.lookup(spec, "cuda", arch="sm_90")
+        assert cubin.path is not None and cubin.path.suffix == ".cubin", cubin.reason
+        assert set(spec.entries.values()) <= exported_functions(cubin.path, "symtab")
+        assert cubin_sm(cubin.path) == 90
 
 
-# ----------------------------------------------------------------------------- toy kernels
+# ----------------------------------------------------------------------------- CPU and CUDA artifacts
 
-def test_cpu_build_index_and_lookup(tmp_path, isolated_cache):
+def test_cpu_artifact_index_entry_and_lookup(tmp_path, cache):
     manifest = toy_project(tmp_path, cuda=False)
-    report = compile_kernels(targets=("cpu",), manifest=manifest)
+    report = compile_kernels(targets="cpu", manifest=manifest)
     assert statuses(report) == {("cpu", None): "built"}
-    spec = load_manifest(manifest).kernel("toy")
+    spec = toy(manifest)
     found = artifacts.lookup(spec, "cpu")
-    assert found.path is not None and found.path.parent == isolated_cache / "toy" / "cpu"
+    assert found.path is not None and found.path.parent == cache / "toy" / "cpu", found.reason
+    assert found.reason == f"loaded {found.path}"
     assert found.entries == {"float32": "toy_f32"}
-    entry = artifacts.read_index(isolated_cache)[0][("toy", "cpu", None)]
+    assert "toy_f32" in exported_functions(found.path, "dynsym")
+    entry = artifacts.read_index(cache)[0][("toy", "cpu", None)]
     assert entry.sha256 == artifacts.sha256_file(found.path)
-    assert "toy_f32" in elf_symbols(found.path)
+    assert entry.source_digest == artifacts.source_digest(spec, "cpu")
+    assert found.path.name == f"toy.{entry.key[:16]}.so"
+    assert set(entry.inputs) == {artifacts.MANIFEST_INPUT, "src/toy.cpp", "src/toy.h"}
+    assert entry.inputs["src/toy.h"] == artifacts.sha256_file(tmp_path / "src" / "toy.h")
+    # What the key covered is recorded, with paths normalised.
+    assert entry.commands[0][-4:] == ["-c", "<root>/src/toy.cpp", "-o", "<build>/0_toy.o"]
+    assert "-I<root>/src" in entry.commands[0] and "-shared" in entry.commands[1]
+    raw = json.loads((cache / "index.json").read_text())
+    assert raw["schema"] == artifacts.INDEX_SCHEMA and len(raw["artifacts"]) == 1
+    assert not list(cache.glob(".tmp-*")) and not list(cache.glob(".index.*"))
+
+
+def test_hidden_entry_symbol_fails_the_build(tmp_path, cache):
+    """-fvisibility=hidden: an entry without default visibility is in .symtab but not in .dynsym,
+    so dlsym would not find it; the build says so instead of indexing an unloadable library."""
+    manifest = toy_project(tmp_path, cuda=False)
+    (tmp_path / "src" / "toy.cpp").write_text(TOY_CPP.replace(' __attribute__((visibility("default")))', ""))
+    report = compile_kernels(targets="cpu", manifest=manifest)
+    assert not report.ok
+    assert "toy_f32" in report.results[0].message and "exported from the shared library" in report.results[0].message
+    assert artifacts.read_index(cache)[0] == {}
+
+
+def test_undeclared_entry_fails_the_build(tmp_path, cache):
+    manifest = toy_project(tmp_path, cuda=False, entry="not_there")
+    report = compile_kernels(targets="cpu", manifest=manifest)
+    assert not report.ok and "entry symbol(s) not_there" in report.results[0].message
+    assert artifacts.read_index(cache)[0] == {} and not (cache / "toy").exists()
 
 
 @needs_nvcc
-def test_second_compile_is_a_noop_and_fast_then_only_dependents_rebuild(tmp_path, isolated_cache):
+def test_cuda_cubin_and_ptx_with_entries_and_lookup_rules(tmp_path, cache):
+    manifest = toy_project(tmp_path, archs=["sm_90"], ptx_arch="compute_80")
+    report = compile_kernels(targets="cuda", manifest=manifest)
+    assert statuses(report) == {("cuda", "sm_90"): "built", ("cuda", "compute_80"): "built"}, failures(report)
+    index = artifacts.read_index(cache)[0]
+    cubin = cache / index[("toy", "cuda", "sm_90")].file
+    ptx = cache / index[("toy", "cuda", "compute_80")].file
+    assert cubin.name.endswith(".sm_90.cubin") and ptx.name.endswith(".compute_80.ptx")
+    assert "toy_f32" in exported_functions(cubin, "symtab") and cubin_sm(cubin) == 90
+    assert ptx_entries(ptx) == {"toy_f32"}
+    spec = toy(manifest)
+    exact = artifacts.lookup(spec, "cuda", arch="sm_90")
+    assert exact.path == cubin and exact.entries == {"float32": "toy_f32"}
+    newer = artifacts.lookup(spec, "cuda", arch="sm_120")      # no cubin: the driver JITs the PTX
+    assert newer.path == ptx and "PTX compute_80" in newer.reason
+    older = artifacts.lookup(spec, "cuda", arch="sm_75")       # older than the PTX: nothing fits
+    assert older.path is None
+    assert "run: python -m build_tools compile --only toy --target cuda --arch sm_75" in older.reason
+    assert artifacts.lookup(spec, "cuda").path is None
+    assert "device arch" in artifacts.lookup(spec, "cuda", arch="volta").reason
+    assert artifacts.lookup(spec, "cpu", arch="sm_90").path is None
+
+
+@needs_nvcc
+def test_full_default_arch_list_builds_with_this_nvcc(tmp_path, cache):
+    """Every arch of the real kernels.yaml (sm_80 ... sm_120 + PTX) builds, each cubin for its own SM."""
+    real = load_manifest().kernel("rope_pool_fused").targets["cuda"]
+    manifest = toy_project(tmp_path, archs=list(real.archs), ptx_arch=real.ptx_arch)
+    report = compile_kernels(targets="cuda", manifest=manifest)
+    assert report.ok, failures(report)
+    assert sorted(a for _, a in statuses(report)) == sorted([*real.archs, real.ptx_arch])
+    index = artifacts.read_index(cache)[0]
+    for arch in real.archs:
+        path = cache / index[("toy", "cuda", arch)].file
+        assert cubin_sm(path) == int(arch[3:]) and "toy_f32" in exported_functions(path, "symtab")
+        assert artifacts.lookup(toy(manifest), "cuda", arch=arch).path == path
+
+
+# ----------------------------------------------------------------------------- incremental builds and keys
+
+@needs_nvcc
+def test_noop_is_fast_and_touching_a_file_rebuilds_only_its_dependents(tmp_path, cache):
     manifest = toy_project(tmp_path)
-    first = compile_kernels(targets=("cpu", "cuda"), manifest=manifest)
-    assert set(statuses(first).values()) == {"built"}
+    both = ("cpu", "cuda")
+    assert set(statuses(compile_kernels(targets=both, manifest=manifest)).values()) == {"built"}
     start = time.monotonic()
-    second = compile_kernels(targets=("cpu", "cuda"), manifest=manifest)
+    second = compile_kernels(targets=both, manifest=manifest)
     assert time.monotonic() - start < 1.0
     assert set(statuses(second).values()) == {"fresh"}
-    # The header is included by the C++ source only: only the cpu unit rebuilds.
-    (tmp_path / "src" / "toy.h").write_text("#define TOY_VALUE 2.0f\n")
-    third = compile_kernels(targets=("cpu", "cuda"), manifest=manifest)
-    assert statuses(third) == {("cpu", None): "built", ("cuda", "sm_90"): "fresh", ("cuda", "compute_80"): "fresh"}
-    (tmp_path / "src" / "toy.cu").write_text(TOY_CU + "// edited\n")
-    fourth = compile_kernels(targets=("cpu", "cuda"), manifest=manifest)
-    assert statuses(fourth) == {("cpu", None): "fresh", ("cuda", "sm_90"): "built", ("cuda", "compute_80"): "built"}
+    os.utime(tmp_path / "src" / "toy.h")                                     # mtime alone: content-addressed
+    assert set(statuses(compile_kernels(targets=both, manifest=manifest)).values()) == {"fresh"}
+    (tmp_path / "src" / "toy.h").write_text("#define TOY_VALUE 2.0f\n")        # included by toy.cpp only
+    assert statuses(compile_kernels(targets=both, manifest=manifest)) == {
+        ("cpu", None): "built", ("cuda", "sm_90"): "fresh", ("cuda", "compute_80"): "fresh"}
+    (tmp_path / "src" / "toy.cuh").write_text("#define TOY_CUDA_VALUE 2.0f\n")  # included by toy.cu only
+    assert statuses(compile_kernels(targets=both, manifest=manifest)) == {
+        ("cpu", None): "fresh", ("cuda", "sm_90"): "built", ("cuda", "compute_80"): "built"}
+    # Superseded files are gone: one file per unit.
+    assert len(list((cache / "toy" / "cuda").iterdir())) == 2 and len(list((cache / "toy" / "cpu").iterdir())) == 1
+    forced = compile_kernels(targets="cpu", manifest=manifest, force=True)
+    assert statuses(forced) == {("cpu", None): "built"}
 
 
-def test_source_digest_and_build_key_change_with_each_input(tmp_path, monkeypatch):
+def test_source_digest_changes_with_each_input_and_only_those(tmp_path, monkeypatch):
     manifest = toy_project(tmp_path, cuda=False)
-    spec = lambda: load_manifest(manifest).kernel("toy")
-    base = artifacts.source_digest(spec(), "cpu")
-    key = artifacts.build_key(base, "g++ 12", ["-O3"], None)
-    seen = {base}
-    (tmp_path / "src" / "toy.h").write_text("#define TOY_VALUE 3.0f\n")        # an included header
-    seen.add(artifacts.source_digest(spec(), "cpu"))
-    (tmp_path / "src" / "toy.cpp").write_text(TOY_CPP + "\n")                    # the source
-    seen.add(artifacts.source_digest(spec(), "cpu"))
-    data = yaml.safe_load(manifest.read_text())
-    data["kernels"][0]["entries"]["float32"] = "toy_f32"
-    data["kernels"][0]["cpu"]["flags"] = ["-DX=1"]                                # the target block
-    manifest.write_text(yaml.safe_dump(data))
-    seen.add(artifacts.source_digest(spec(), "cpu"))
-    monkeypatch.setattr(artifacts, "__version__", "9.9.9")                        # the package version
-    seen.add(artifacts.source_digest(spec(), "cpu"))
-    assert len(seen) == 5
-    assert len({key, artifacts.build_key(base, "g++ 13", ["-O3"], None),          # compiler identity
-                artifacts.build_key(base, "g++ 12", ["-O2"], None),                # flags
-                artifacts.build_key(base, "g++ 12", ["-O3"], "sm_90")}) == 4        # arch
-    # Selection-only fields (description, enable, requires, prefer) do not touch the binary's digest.
-    before = artifacts.source_digest(spec(), "cpu")
-    data["kernels"][0]["description"] = "reworded"
-    data["kernels"][0]["requires"] = ["head_dim > 0"]
-    data["kernels"][0]["enable"]["default"] = False
-    manifest.write_text(yaml.safe_dump(data))
-    assert artifacts.source_digest(spec(), "cpu") == before
+    digests = [artifacts.source_digest(toy(manifest), "cpu")]
+
+    def record():
+        digests.append(artifacts.source_digest(toy(manifest), "cpu"))
+
+    (tmp_path / "src" / "toy.h").write_text("#define TOY_VALUE 3.0f\n"); record()       # an included header
+    (tmp_path / "src" / "toy.cpp").write_text(TOY_CPP + "\n"); record()                  # the source
+    edit_manifest(manifest, lambda k: k["cpu"].update(flags=["-DX=1"])); record()        # the target block
+    edit_manifest(manifest, lambda k: k["entries"].update(float16="toy_f16")); record()  # entries
+    edit_manifest(manifest, lambda k: k["signature"]["buffers"].append(
+        {"name": "y", "role": "input"})); record()                                       # signature
+    monkeypatch.setattr(artifacts, "__version__", "9.9.9"); record()                     # package version
+    monkeypatch.setattr(artifacts, "KEY_SCHEMA_VERSION", 99); record()                   # key schema
+    assert len(set(digests)) == len(digests) == 8
+    # Deterministic, and blind to what only changes selection (not the binary) and to mtimes.
+    before = artifacts.source_digest(toy(manifest), "cpu")
+    assert artifacts.source_digest(toy(manifest), "cpu") == before
+
+    def selection_only(k):
+        k["description"] = "reworded"
+        k["requires"] = ["head_dim > 0"]
+        k["enable"]["default"] = False
+    edit_manifest(manifest, selection_only)
+    os.utime(tmp_path / "src" / "toy.cpp")
+    assert artifacts.source_digest(toy(manifest), "cpu") == before
 
 
-def test_stale_and_corrupt_artifacts_are_refused(tmp_path, isolated_cache):
+def test_build_key_changes_with_compiler_commands_and_arch():
+    base = artifacts.build_key("d" * 64, "g++ 12", [["g++", "-O3"]], None)
+    others = {artifacts.build_key("e" * 64, "g++ 12", [["g++", "-O3"]], None),      # sources
+              artifacts.build_key("d" * 64, "g++ 13", [["g++", "-O3"]], None),      # compiler identity
+              artifacts.build_key("d" * 64, "g++ 12", [["g++", "-O2"]], None),      # flags
+              artifacts.build_key("d" * 64, "g++ 12", [["g++", "-O3"]], "sm_90")}   # arch
+    assert base not in others and len(others) == 4
+
+
+def test_keys_survive_a_moved_checkout(tmp_path):
+    a = toy_project(tmp_path / "a", cuda=False)
+    b = toy_project(tmp_path / "elsewhere" / "b", cuda=False)
+    tc = toolchains.cxx()
+    assert artifacts.source_digest(toy(a), "cpu") == artifacts.source_digest(toy(b), "cpu")
+    assert key_commands(Unit(toy(a), "cpu", None), tc) == key_commands(Unit(toy(b), "cpu", None), tc)
+
+
+def test_compiler_and_flag_changes_rebuild(tmp_path, cache, monkeypatch, fresh_toolchains):
     manifest = toy_project(tmp_path, cuda=False)
-    compile_kernels(targets=("cpu",), manifest=manifest)
-    spec = load_manifest(manifest).kernel("toy")
-    assert artifacts.lookup(spec, "cpu").path is not None
+    assert statuses(compile_kernels(targets="cpu", manifest=manifest)) == {("cpu", None): "built"}
+    wrapper = tmp_path / "other-g++"
+    wrapper.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo "other-g++ 99.1"; exit 0; fi\nexec g++ "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    toolchains.clear_cache()
+    assert statuses(compile_kernels(targets="cpu", manifest=manifest)) == {("cpu", None): "built"}
+    assert "other-g++ 99.1" in artifacts.read_index(cache)[0][("toy", "cpu", None)].compiler
+    assert statuses(compile_kernels(targets="cpu", manifest=manifest)) == {("cpu", None): "fresh"}
+    edit_manifest(manifest, lambda k: k["cpu"].update(flags=["-DTOY_EXTRA=1"]))
+    report = compile_kernels(targets="cpu", manifest=manifest)
+    assert statuses(report) == {("cpu", None): "built"}
+    assert "-DTOY_EXTRA=1" in report.results[0].commands[0]
+
+
+def test_a_header_the_scan_cannot_see_fails_the_build(tmp_path, cache):
+    """`#include MACRO` hides toy.h from the include scan; g++'s -MMD output shows it was read, so the
+    build fails rather than produce an artifact whose digest ignores toy.h."""
+    manifest = toy_project(tmp_path, cuda=False)
+    (tmp_path / "src" / "toy.cpp").write_text('#define TOY_HEADER "toy.h"\n' +
+                                              TOY_CPP.replace('#include "toy.h"', "#include TOY_HEADER"))
+    report = compile_kernels(targets="cpu", manifest=manifest)
+    assert not report.ok
+    message = report.results[0].message
+    assert str(tmp_path / "src" / "toy.h") in message and "include scan does not reach" in message
+    assert artifacts.read_index(cache)[0] == {}
+
+
+def test_angle_includes_inside_include_dirs_are_hashed(tmp_path):
+    manifest = toy_project(tmp_path, cuda=False)
+    (tmp_path / "src" / "toy.cpp").write_text(TOY_CPP.replace('#include "toy.h"', "#include <toy.h>\n#include <vector>"))
+    assert "src/toy.h" in artifacts.source_inputs(toy(manifest), "cpu").files
+
+
+# ----------------------------------------------------------------------------- failures
+
+def test_compiler_error_reports_command_output_and_source(tmp_path, cache):
+    manifest = toy_project(tmp_path, cuda=False)
+    (tmp_path / "src" / "toy.cpp").write_text("this is not C++\n")
+    report = compile_kernels(targets="cpu", manifest=manifest)
+    r = report.results[0]
+    assert r.status == "failed" and not report.ok
+    assert f"sources: {tmp_path / 'src' / 'toy.cpp'}" in r.message
+    assert "command: " in r.message and " -c " in r.message and "exit code 1" in r.message
+    assert "error" in r.message.split("exit code 1", 1)[1]          # the compiler's own output
+    assert artifacts.read_index(cache)[0] == {} and not list(cache.glob(".tmp-*"))
+
+
+def test_explicit_target_without_toolchain_raises_with_fix_and_auto_skips(tmp_path, monkeypatch):
+    manifest = toy_project(tmp_path)
+    gone = toolchains.Toolchain("cuda", False, "", (), "nvcc not found (test)", "install the CUDA toolkit")
+    monkeypatch.setitem(toolchains.FINDERS, "cuda", lambda: gone)
+    with pytest.raises(MissingToolchainError, match="(?s)target cuda: nvcc not found.*fix: install the CUDA"):
+        compile_kernels(targets=("cpu", "cuda"), manifest=manifest, out_dir=tmp_path / "o")
+    report = compile_kernels(targets="auto", manifest=manifest, out_dir=tmp_path / "o")
+    assert report.ok and "cuda" not in report.targets and "cpu" in report.targets
+    assert "nvcc not found (test)" in report.skipped["cuda"] and "install the CUDA toolkit" in report.skipped["cuda"]
+    with pytest.raises(ValueError, match="unknown target 'rocm'"):
+        compile_kernels(targets="rocm", manifest=manifest, out_dir=tmp_path / "o")
+    with pytest.raises(ValueError, match="archs: 'volta' is not a CUDA arch"):
+        compile_kernels(targets="cpu", archs="volta", manifest=manifest, out_dir=tmp_path / "o")
+    with pytest.raises(ValueError, match="unknown kernel.*nope"):
+        compile_kernels(targets="cpu", only="nope", manifest=manifest, out_dir=tmp_path / "o")
+
+
+def test_dry_run_builds_nothing(tmp_path):
+    manifest = toy_project(tmp_path, cuda=False)
+    out = tmp_path / "out"
+    report = compile_kernels(targets="cpu", manifest=manifest, out_dir=out, dry_run=True)
+    assert statuses(report) == {("cpu", None): "planned"} and not out.exists()
+    assert report.results[0].commands[0][-3] == str(tmp_path / "src" / "toy.cpp")
+
+
+# ----------------------------------------------------------------------------- stale, corrupt, search order
+
+def test_stale_corrupt_and_missing_artifacts_are_refused_with_the_reason(tmp_path, cache):
+    manifest = toy_project(tmp_path, cuda=False)
+    compile_kernels(targets="cpu", manifest=manifest)
+    assert artifacts.lookup(toy(manifest), "cpu").path is not None
     (tmp_path / "src" / "toy.h").write_text("#define TOY_VALUE 5.0f\n")
-    stale = artifacts.lookup(load_manifest(manifest).kernel("toy"), "cpu")
-    assert stale.path is None and "stale" in stale.reason
-    assert "python -m build_tools compile --only toy --target cpu" in stale.reason
-    result = CliRunner().invoke(cli, ["list", "--manifest", str(manifest)])
-    assert result.exit_code == 0 and "stale" in result.output
-    compile_kernels(targets=("cpu",), manifest=manifest)
-    found = artifacts.lookup(load_manifest(manifest).kernel("toy"), "cpu")
+    stale = artifacts.lookup(toy(manifest), "cpu")
+    assert stale.path is None and "is stale (changed: src/toy.h)" in stale.reason
+    assert "run: python -m build_tools compile --only toy --target cpu" in stale.reason
+    edit_manifest(manifest, lambda k: k["signature"]["buffers"].append({"name": "y", "role": "input"}))
+    assert "kernels.yaml entry" in artifacts.lookup(toy(manifest), "cpu").reason
+
+    compile_kernels(targets="cpu", manifest=manifest)
+    found = artifacts.lookup(toy(manifest), "cpu")
     data = bytearray(found.path.read_bytes())
     data[100] ^= 0xFF
     found.path.write_bytes(bytes(data))
-    corrupt = artifacts.lookup(load_manifest(manifest).kernel("toy"), "cpu")
-    assert corrupt.path is None and "sha256" in corrupt.reason
+    corrupt = artifacts.lookup(toy(manifest), "cpu")
+    assert corrupt.path is None and "does not match its sha256" in corrupt.reason
+    # compile notices the damaged file is not fresh and rebuilds it.
+    assert statuses(compile_kernels(targets="cpu", manifest=manifest)) == {("cpu", None): "built"}
+    path = artifacts.lookup(toy(manifest), "cpu").path
+    path.unlink()
+    assert "but missing" in artifacts.lookup(toy(manifest), "cpu").reason
 
 
-def test_missing_entry_symbol_fails_the_build(tmp_path, isolated_cache):
-    manifest = toy_project(tmp_path, cuda=False, entry="not_there")
-    report = compile_kernels(targets=("cpu",), manifest=manifest)
-    assert not report.ok
-    assert "lacks the entry symbol(s) not_there" in report.results[0].message
-    assert artifacts.read_index(isolated_cache)[0] == {}
-
-
-def test_compiler_error_reports_command_output_and_source(tmp_path):
+def test_unreadable_index_is_refused_and_recovered(tmp_path, cache):
     manifest = toy_project(tmp_path, cuda=False)
-    (tmp_path / "src" / "toy.cpp").write_text("this is not C++\n")
-    result = CliRunner().invoke(cli, ["compile", "--target", "cpu", "--manifest", str(manifest),
-                                      "--out", str(tmp_path / "out")])
-    assert result.exit_code == 1
-    assert "build failed" in result.output and str(tmp_path / "src" / "toy.cpp") in result.output
-    assert "command: " in result.output and "-shared" in result.output and "error" in result.output
+    compile_kernels(targets="cpu", manifest=manifest)
+    (cache / "index.json").write_text('{"schema": 2, "artifacts": [')
+    found = artifacts.lookup(toy(manifest), "cpu")
+    assert found.path is None and "unreadable index" in found.reason
+    (cache / "index.json").write_text('{"schema": 1, "artifacts": []}')
+    assert "index schema 1 is not 2" in artifacts.lookup(toy(manifest), "cpu").reason
+    assert compile_kernels(targets="cpu", manifest=manifest).ok
+    assert artifacts.lookup(toy(manifest), "cpu").path is not None
 
 
-def test_explicit_target_without_toolchain_exits_2_with_fix(tmp_path, monkeypatch):
-    manifest = toy_project(tmp_path, cuda=False, metal=True)
-    monkeypatch.setenv("PATH", "/nonexistent")
-    toolchains.clear_cache()
-    try:
-        with pytest.raises(MissingToolchainError, match="xcrun"):
-            compile_kernels(targets=("metal",), manifest=manifest, out_dir=tmp_path / "o")
-        result = CliRunner().invoke(cli, ["compile", "--target", "metal", "--manifest", str(manifest),
-                                          "--out", str(tmp_path / "o")])
-        assert result.exit_code == 2 and "xcode-select" in result.output
-    finally:
-        toolchains.clear_cache()
+def test_search_order_package_dir_then_user_cache(tmp_path, monkeypatch):
+    manifest = toy_project(tmp_path, cuda=False)
+    pkg, user = tmp_path / "pkg", tmp_path / "user"
+    monkeypatch.delenv("MLX_AOT_CACHE_DIR", raising=False)
+    monkeypatch.setattr(artifacts, "package_artifact_dir", lambda: pkg)
+    monkeypatch.setattr(artifacts, "user_cache_dir", lambda: user)
+    assert artifacts.artifact_dirs() == [pkg, user] and artifacts.default_output_dir() == pkg
+    compile_kernels(targets="cpu", manifest=manifest, out_dir=pkg)
+    (tmp_path / "src" / "toy.h").write_text("#define TOY_VALUE 7.0f\n")       # pkg's copy is now stale
+    compile_kernels(targets="cpu", manifest=manifest, out_dir=user)
+    found = artifacts.lookup(toy(manifest), "cpu")
+    assert found.path is not None and found.path.is_relative_to(user), found.reason
+    monkeypatch.setenv("MLX_AOT_CACHE_DIR", str(tmp_path / "override"))
+    assert artifacts.artifact_dirs() == [tmp_path / "override"]
+    assert artifacts.default_output_dir() == tmp_path / "override"
+    assert artifacts.lookup(toy(manifest), "cpu").path is None
 
+
+# ----------------------------------------------------------------------------- locks, concurrency, interruption
 
 def test_lock_timeout_names_the_lock(tmp_path, monkeypatch):
     manifest = toy_project(tmp_path, cuda=False)
     out = tmp_path / "out"
-    out.mkdir()
     monkeypatch.setenv("MLX_AOT_LOCK_TIMEOUT", "0.3")
     lock = out / ".locks" / "toy.cpu.any.lock"
-    with file_lock(lock):
-        report = compile_kernels(targets=("cpu",), manifest=manifest, out_dir=out)
+    with file_lock(lock, 5):
+        report = compile_kernels(targets="cpu", manifest=manifest, out_dir=out)
     assert not report.ok and str(lock) in report.results[0].message
-    with pytest.raises(LockTimeoutError):
-        with file_lock(lock, timeout=5):
-            with file_lock(lock, timeout=0.2):
+    assert "MLX_AOT_LOCK_TIMEOUT" in report.results[0].message
+    with pytest.raises(LockTimeoutError, match="waiting for the build lock"):
+        with file_lock(lock, 5):
+            with file_lock(lock, 0.1):
                 pass
 
 
-def _compile_cmd(manifest: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "build_tools", "compile", "--target", "cpu", "--manifest", str(manifest),
-            "--out", str(out), "--json"]
-
-
-def test_concurrent_compiles_agree_and_never_corrupt(tmp_path):
+def test_concurrent_compiles_build_once_and_agree(tmp_path):
+    """Two processes at once: the second waits on the unit lock, re-checks, finds it fresh."""
     manifest = toy_project(tmp_path, cuda=False)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
-    procs = [subprocess.Popen(_compile_cmd(manifest, out), cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
+    slow = slow_compiler(tmp_path / "slowcxx", tmp_path / "compiled", 0.5)
+    env = subprocess_env(CXX=str(slow))
+    procs = [subprocess.Popen(compile_argv(manifest, out), cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     reports = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=120)
         assert p.returncode == 0, stderr
-        reports.append(json.loads(stdout))
-    assert sorted(r["results"][0]["status"] for r in reports) in (["built", "fresh"], ["built", "built"])
-    spec = load_manifest(manifest).kernel("toy")
+        reports.append(json.loads(stdout)["results"][0])
+    assert sorted(r["status"] for r in reports) == ["built", "fresh"]
+    assert reports[0]["path"] == reports[1]["path"]
     index, problem = artifacts.read_index(out)
-    assert problem is None and len(index) == 1
-    entry = index[("toy", "cpu", None)]
-    assert artifacts.check_entry(out, entry, artifacts.source_digest(spec, "cpu")) is None
-    assert [p.name for p in (out / "toy" / "cpu").iterdir()] == [Path(entry.file).name]
+    assert problem is None and list(index) == [("toy", "cpu", None)]
+    assert artifacts.check_entry(out, index[("toy", "cpu", None)], artifacts.source_inputs(toy(manifest), "cpu")) is None
+    assert [p.name for p in (out / "toy" / "cpu").iterdir()] == [Path(index[("toy", "cpu", None)].file).name]
+    assert not list(out.glob(".tmp-*"))
 
 
-def test_interrupted_build_leaves_nothing_loadable(tmp_path, monkeypatch):
-    """Kill a compile while its compiler runs: no index entry, nothing the registry would load;
-    the next compile succeeds."""
+def test_build_killed_while_compiling_leaves_nothing_loadable(tmp_path, monkeypatch):
     manifest = toy_project(tmp_path, cuda=False)
     out = tmp_path / "out"
-    slow = tmp_path / "slowcxx"
-    slow.write_text(f"#!/bin/sh\ntouch {tmp_path}/started\nsleep 30\nexec g++ \"$@\"\n")
-    slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
-    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), CXX=str(slow))
-    p = subprocess.Popen(_compile_cmd(manifest, out), cwd=PROJECT_ROOT, env=env, start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    marker = tmp_path / "compiled"
+    slow = slow_compiler(tmp_path / "slowcxx", marker, 30)
+    p = subprocess.Popen(compile_argv(manifest, out), cwd=PROJECT_ROOT, env=subprocess_env(CXX=str(slow)),
+                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(marker)                       # the object file exists in the temp dir; now kill everything
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    leftovers = list(out.glob(".tmp-toy.cpu.any-*"))
+    assert leftovers and any(leftovers[0].iterdir())
     monkeypatch.setenv("MLX_AOT_CACHE_DIR", str(out))
-    spec = load_manifest(manifest).kernel("toy")
-    assert artifacts.lookup(spec, "cpu").path is None
-    assert artifacts.read_index(out)[0] == {}
-    report = compile_kernels(targets=("cpu",), manifest=manifest, out_dir=out)   # the lock died with it
-    assert report.ok and artifacts.lookup(spec, "cpu").path is not None
+    found = artifacts.lookup(toy(manifest), "cpu")
+    assert found.path is None and "no cpu artifact" in found.reason and artifacts.read_index(out)[0] == {}
+    report = compile_kernels(targets="cpu", manifest=manifest, out_dir=out)     # its lock died with it
+    assert statuses(report) == {("cpu", None): "built"}
+    assert artifacts.lookup(toy(manifest), "cpu").path is not None
+    assert not list(out.glob(".tmp-*"))                                          # leftovers removed
 
 
-# ----------------------------------------------------------------------------- Metal, with a stand-in xcrun
-
-FAKE_XCRUN = r'''#!/usr/bin/env python3
-"""Records its argv and plays xcrun's part: --find, versions, metal -c (writes .air and the dep
-file), metallib (concatenates the .air files, which carry the kernel names)."""
-import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["FAKE_XCRUN_LOG"], "a") as f:
-    f.write(json.dumps(args) + "\n")
-if args[:1] == ["--sdk"] and "--show-sdk-version" in args:
-    print("15.0"); sys.exit(0)
-assert args[:2] == ["-sdk", "macosx"], args
-rest = args[2:]
-if rest[:1] == ["--find"]:
-    print("/fake/usr/bin/" + rest[1]); sys.exit(0)
-if rest[:2] == ["metal", "--version"]:
-    print("Apple metal version 32023.404 (fake)"); sys.exit(0)
-if rest[0] == "metal":
-    src = rest[rest.index("-c") + 1]; out = rest[rest.index("-o") + 1]; dep = rest[rest.index("-MF") + 1]
-    text = open(src).read()
-    names = [n for n in os.environ.get("FAKE_XCRUN_NAMES", "").split(",") if n]
-    with open(out, "wb") as f:
-        f.write(b"AIR\0" + b"".join(n.encode() + b"\0" for n in names) + text.encode())
-    open(dep, "w").write(out + ": " + src + "\n")
-    sys.exit(0)
-if rest[0] == "metallib":
-    out = rest[rest.index("-o") + 1]
-    airs = rest[1:rest.index("-o")]
-    with open(out, "wb") as f:
-        f.write(b"MTLB\0")
-        for a in airs:
-            f.write(open(a, "rb").read())
-    sys.exit(0)
-sys.exit("fake xcrun: unexpected " + " ".join(args))
-'''
-
-
-@pytest.fixture
-def fake_xcrun(tmp_path, monkeypatch):
-    bindir = tmp_path / "fakebin"
-    bindir.mkdir()
-    script = bindir / "xcrun"
-    script.write_text(FAKE_XCRUN)
-    script.chmod(0o755)
-    log = tmp_path / "xcrun.log"
-    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_XCRUN_LOG", str(log))
-    toolchains.clear_cache()
-    yield log
-    toolchains.clear_cache()
-
-
-def test_metal_commands_exact_argv(tmp_path, fake_xcrun, monkeypatch):
-    manifest = toy_project(tmp_path, cuda=False, metal=True)
-    monkeypatch.setenv("FAKE_XCRUN_NAMES", "toy_f32")
-    out = tmp_path / "out"
-    report = compile_kernels(targets=("metal",), manifest=manifest, out_dir=out)
-    assert report.ok, [r.message for r in report.results]
-    calls = [json.loads(line) for line in fake_xcrun.read_text().splitlines()]
-    build = [c for c in calls if c[2] in ("metal", "metallib") and "--version" not in c]
-    src = str(tmp_path / "src" / "toy.metal")
-    compile_call, link_call = build
-    air = compile_call[compile_call.index("-o") + 1]
-    assert compile_call == ["-sdk", "macosx", "metal", "-std=metal3.1", "-O3", "-mmacosx-version-min=14.0",
-                            f"-I{tmp_path / 'src'}", "-MMD", "-MF", f"{air}.d", "-c", src, "-o", air]
-    assert air.endswith("0_toy.air")
-    assert link_call[:3] == ["-sdk", "macosx", "metallib"] and link_call[3] == air
-    assert link_call[4] == "-o" and link_call[5].endswith("toy.metallib")
-    index = artifacts.read_index(out)[0]
-    assert index[("toy", "metal", None)].file.endswith(".metallib")
-
-
-def test_metal_missing_function_fails(tmp_path, fake_xcrun, monkeypatch):
-    manifest = toy_project(tmp_path, cuda=False, metal=True)
-    monkeypatch.setenv("FAKE_XCRUN_NAMES", "something_else")
-    report = compile_kernels(targets=("metal",), manifest=manifest, out_dir=tmp_path / "out")
-    assert not report.ok and "toy_f32" in report.results[0].message
-
-
-def test_toolchains_identity_includes_toolchains_env(fake_xcrun, monkeypatch):
-    monkeypatch.setenv("TOOLCHAINS", "metal")
-    toolchains.clear_cache()
-    tc = toolchains.metal()
-    assert tc.available and "TOOLCHAINS=metal" in tc.identity and "32023.404" in tc.identity
-
-
-@pytest.mark.macos
-def test_real_metal_compile(tmp_path):
-    report = compile_kernels(targets=("metal",), out_dir=tmp_path / "out")
-    assert report.ok, [r.message for r in report.results]
-
-
-# ----------------------------------------------------------------------------- CLI
-
-def test_cli_validate_list_doctor_clean_json_dry_run(tmp_path):
+def test_build_killed_before_the_index_write_leaves_an_orphan_nothing_loads(tmp_path, monkeypatch):
+    """The artifact is in place but the index (the commit marker) was never written."""
     manifest = toy_project(tmp_path, cuda=False)
-    runner = CliRunner()
     out = tmp_path / "out"
-    r = runner.invoke(cli, ["validate", "--manifest", str(manifest)])
-    assert r.exit_code == 0 and "OK (1 kernel(s): toy)" in r.output
-    r = runner.invoke(cli, ["compile", "--target", "cpu", "--manifest", str(manifest), "--out", str(out), "--dry-run"])
-    assert r.exit_code == 0 and "planned" in r.output and "-shared" in r.output and not out.exists()
-    r = runner.invoke(cli, ["compile", "--target", "cpu", "--manifest", str(manifest), "--out", str(out), "--json"])
-    assert r.exit_code == 0
-    report = json.loads(r.stdout)
-    assert report["ok"] and report["results"][0]["status"] == "built"
-    r = runner.invoke(cli, ["list", "--manifest", str(manifest), "--out", str(out)])
-    assert r.exit_code == 0 and "fresh" in r.output
-    r = runner.invoke(cli, ["doctor"])
-    assert r.exit_code == 0 and "cpu" in r.output and "metal" in r.output
-    r = runner.invoke(cli, ["clean", "--out", str(out)])
-    assert r.exit_code == 0 and not (out / "index.json").exists() and not (out / "toy").exists()
-    r = runner.invoke(cli, ["compile", "--only", "nope", "--target", "cpu", "--manifest", str(manifest), "--out", str(out)])
-    assert r.exit_code == 2 and "unknown kernel(s) nope" in r.output
-    r = runner.invoke(cli, ["compile", "--arch", "volta", "--target", "cpu", "--manifest", str(manifest)])
-    assert r.exit_code == 2 and "not a CUDA arch" in r.output
+    script = ("import os, signal, sys\n"
+              "import build_tools.compiler as c\n"
+              "c.write_index = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"c.compile_kernels(targets='cpu', manifest={str(manifest)!r}, out_dir={str(out)!r})\n")
+    p = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, env=subprocess_env(), timeout=120)
+    assert p.returncode == -signal.SIGKILL
+    orphans = list((out / "toy" / "cpu").iterdir())
+    assert len(orphans) == 1 and orphans[0].suffix == ".so"
+    monkeypatch.setenv("MLX_AOT_CACHE_DIR", str(out))
+    assert artifacts.lookup(toy(manifest), "cpu").path is None
+    (tmp_path / "src" / "toy.h").write_text("#define TOY_VALUE 8.0f\n")   # a different key: the orphan is superseded
+    assert compile_kernels(targets="cpu", manifest=manifest, out_dir=out).ok
+    found = artifacts.lookup(toy(manifest), "cpu")
+    assert found.path is not None and list((out / "toy" / "cpu").iterdir()) == [found.path]
 
 
-def test_cli_as_subprocess(tmp_path):
+def test_sources_edited_during_the_build_are_not_indexed(tmp_path, cache, monkeypatch, fresh_toolchains):
     manifest = toy_project(tmp_path, cuda=False)
-    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
-    p = subprocess.run(_compile_cmd(manifest, tmp_path / "out"), cwd=PROJECT_ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout)["ok"] and "[1/1] toy cpu" in p.stderr
-    bad = subprocess.run([sys.executable, "-m", "build_tools", "validate", "--manifest", str(tmp_path / "none.yaml")],
-                         cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "manifest not found" in bad.stderr
+    edit = f"echo '// edited' >> {tmp_path / 'src' / 'toy.cpp'}"
+    monkeypatch.setenv("CXX", str(slow_compiler(tmp_path / "editing-cxx", tmp_path / "m", 0, then=edit)))
+    report = compile_kernels(targets="cpu", manifest=manifest)
+    assert not report.ok and "sources changed while compiling" in report.results[0].message
+    assert artifacts.read_index(cache)[0] == {}
+
+
+def test_clean_removes_only_pipeline_paths(tmp_path):
+    from build_tools.compiler import clean_artifacts
+
+    manifest = toy_project(tmp_path, cuda=False)
+    out = tmp_path / "out"
+    compile_kernels(targets="cpu", manifest=manifest, out_dir=out)
+    (out / "unrelated").mkdir()
+    (out / ".tmp-toy.cpu.any-dead").mkdir()
+    removed = clean_artifacts(out, ["toy"], only=["toy"])
+    assert str(out / "toy") in removed and artifacts.read_index(out) == ({}, None)
+    assert (out / "index.json").is_file()
+    compile_kernels(targets="cpu", manifest=manifest, out_dir=out)
+    clean_artifacts(out, ["toy"])
+    assert not (out / "index.json").exists() and not (out / "toy").exists()
+    assert (out / "unrelated").is_dir() and not (out / ".tmp-toy.cpu.any-dead").exists()
+    assert (out / ".locks").is_dir()     # lock files stay: see clean_artifacts
+    shutil.rmtree(out)
+    assert clean_artifacts(out, ["toy"]) == []
