@@ -7,6 +7,7 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <typeinfo>
 #include <unordered_map>
 
 #include "mlx/allocator.h"
@@ -42,7 +43,46 @@ bool AotLaunch::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const AotLaunch&>(other);
   // Scalars compare as raw bits: two launches are the same only if every constant is identical.
   return bin_->key == o.bin_->key && bin_->path == o.bin_->path && args_.entry == o.args_.entry &&
+         args_.dtype == o.args_.dtype &&
          args_.scalars == o.args_.scalars && args_.grid == o.args_.grid && args_.group == o.args_.group;
+}
+
+// ----------------------------------------------------------------------------- pool lineage
+
+namespace {
+
+// Every buffer this launcher has aliased, mapped to the array that was its in-place input the last
+// time. Between two launches on one pool, MLX itself may still hold that previous input: CUDA keeps
+// every input of a launch alive until its graph has run, and the caller may hold the array it passed
+// (the documented contract: it shares storage with the returned pool). Holding it here too makes the
+// buffer's owner count exact: the returned pool + this previous input, + 1 per view. A buffer whose
+// only remaining owner is the entry itself was dropped by its user and is released at the next launch.
+std::mutex pools_mu;
+std::unordered_map<const mx::allocator::Data*, mx::array> pools;
+
+void prune_pools_locked() {
+  for (auto it = pools.begin(); it != pools.end();) {
+    it = it->second.data_shared_ptr().use_count() == 1 ? pools.erase(it) : std::next(it);
+  }
+}
+
+}  // namespace
+
+void remember_pool(const mx::array& in) {
+  std::lock_guard<std::mutex> lock(pools_mu);
+  pools.insert_or_assign(in.data_shared_ptr().get(), in);
+}
+
+long expected_pool_owners(const mx::array& pool) {
+  std::lock_guard<std::mutex> lock(pools_mu);
+  prune_pools_locked();
+  return pools.count(pool.data_shared_ptr().get()) ? 2 : 1;
+}
+
+size_t release_retired_pools() {
+  std::lock_guard<std::mutex> lock(pools_mu);
+  prune_pools_locked();
+  return pools.size();
 }
 
 void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -56,43 +96,110 @@ void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vecto
       const auto& in = inputs[input_of[b]];
       if (!in.flags().row_contiguous) {
         std::ostringstream msg;
-        msg << "[mlx_aot] in-place buffer " << b << " of " << args_.entry
-            << " is not row-contiguous at evaluation time; pass a contiguous array (e.g. mx.contiguous(pool))";
+        // launch() aliases only row-contiguous arrays and guards the rest; this is the last line of defence.
+        msg << "[mlx_aot] internal error: in-place buffer " << b << " of " << args_.entry
+            << " is not row-contiguous at evaluation time";
         throw std::invalid_argument(msg.str());
       }
       // The deliberate alias: the output *is* the pool buffer, registered as an output below so that
       // MLX orders every later reader after this kernel.
       outputs[output_of[b]].copy_shared_buffer(in);
+      remember_pool(in);
     }
   }
 }
 
 // ----------------------------------------------------------------------------- launch (op level)
 
+const char* dtype_name(mx::Dtype d) {
+  switch (d.val()) {
+    case mx::Dtype::Val::bool_: return "bool";
+    case mx::Dtype::Val::uint8: return "uint8";
+    case mx::Dtype::Val::uint16: return "uint16";
+    case mx::Dtype::Val::uint32: return "uint32";
+    case mx::Dtype::Val::uint64: return "uint64";
+    case mx::Dtype::Val::int8: return "int8";
+    case mx::Dtype::Val::int16: return "int16";
+    case mx::Dtype::Val::int32: return "int32";
+    case mx::Dtype::Val::int64: return "int64";
+    case mx::Dtype::Val::float16: return "float16";
+    case mx::Dtype::Val::float32: return "float32";
+    case mx::Dtype::Val::float64: return "float64";
+    case mx::Dtype::Val::bfloat16: return "bfloat16";
+    case mx::Dtype::Val::complex64: return "complex64";
+  }
+  return "?";
+}
+
+mx::array cow_guard(const mx::array& a, mx::StreamOrDevice s) {
+  if (a.ndim() == 0 || a.size() == 0) return mx::contiguous(a, false, s);  // nothing the kernel can write
+  // Zero indices along axis 0; updates of shape [0, 1, rest...]. Scatter::eval copies (or takes by
+  // donation) its input and returns before its update kernel when there are no updates, on every
+  // backend; the copy is bitwise and row-contiguous.
+  mx::Shape upd_shape{0, 1};
+  upd_shape.insert(upd_shape.end(), a.shape().begin() + 1, a.shape().end());
+  mx::array idx(std::initializer_list<int32_t>{}, mx::int32);
+  mx::array upd = mx::zeros(upd_shape, a.dtype(), s);
+  return mx::scatter(a, {idx}, upd, {0}, s);
+}
+
+bool inplace_alias_ok(const std::vector<mx::array>& inputs, int i) {
+  const mx::array& a = inputs[i];
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    if (static_cast<int>(j) != i && inputs[j].id() == a.id()) return false;  // passed twice: two writers
+  }
+  if (a.status() == mx::array::Status::unscheduled) {
+    // Not computed yet, so its buffer is unknown. The returned pool of an earlier launch (an engine
+    // that evaluates once per several steps) will be that launch's in-place buffer: alias it, as the
+    // evaluated case below would. Any other lazy array (a fresh mx.zeros, a lazy slice or view of
+    // another array) goes through copy-on-write, which MLX resolves when it runs.
+    if (!a.has_primitive() || typeid(a.primitive()) != typeid(AotLaunch)) return false;
+    const auto& producer = static_cast<const AotLaunch&>(a.primitive()).binary();
+    for (size_t b = 0; b < producer.roles.size(); ++b) {
+      if (producer.output_of[b] == a.sibling_position()) return producer.roles[b] == kInplace;
+    }
+    return false;
+  }
+  // Computed (possibly still running): alias only a row-contiguous buffer that no other array
+  // shares. The owner count is exact thanks to the lineage table: 1 for a pool this launcher has not
+  // written yet, 2 for one it has (the pool + its previous input, see remember_pool).
+  if (!a.flags().row_contiguous) return false;
+  return a.data_shared_ptr().use_count() <= expected_pool_owners(a);
+}
+
 std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args,
                               std::vector<mx::array> inputs, mx::StreamOrDevice s) {
+  const std::string& entry = args->entry;
   if (static_cast<int>(inputs.size()) != bin->n_inputs) {
-    throw std::invalid_argument("[mlx_aot] " + args->entry + ": expected " + std::to_string(bin->n_inputs) +
+    throw std::invalid_argument("[mlx_aot] " + entry + ": expected " + std::to_string(bin->n_inputs) +
                                 " input arrays, got " + std::to_string(inputs.size()));
   }
   if (args->scalars.size() != bin->scalar_types.size()) {
-    throw std::invalid_argument("[mlx_aot] " + args->entry + ": expected " +
-                                std::to_string(bin->scalar_types.size()) + " scalars, got " +
-                                std::to_string(args->scalars.size()));
+    throw std::invalid_argument("[mlx_aot] " + entry + ": expected " + std::to_string(bin->scalar_types.size()) +
+                                " scalars, got " + std::to_string(args->scalars.size()));
   }
   const auto& input_of = bin->input_of;
+  // The kernel indexes raw memory with the element size of its entry: a wrong dtype would read or
+  // write out of bounds, so it is an error, never a conversion.
+  for (size_t b = 0; b < bin->roles.size(); ++b) {
+    if (input_of[b] < 0) continue;
+    const std::string& want = bin->dtypes[b].empty() ? args->dtype : bin->dtypes[b];
+    const char* got = dtype_name(inputs[input_of[b]].dtype());
+    if (want != got) {
+      throw std::invalid_argument("[mlx_aot] " + entry + ": buffer " + std::to_string(b) + " has dtype " + got +
+                                  ", the entry expects " + want);
+    }
+  }
+  // Decide every in-place input on the arrays as passed, before any is replaced by a guard.
+  std::vector<bool> alias(inputs.size(), false);
+  for (size_t b = 0; b < bin->roles.size(); ++b) {
+    if (bin->roles[b] == kInplace) alias[input_of[b]] = inplace_alias_ok(inputs, input_of[b]);
+  }
   for (size_t b = 0; b < bin->roles.size(); ++b) {
     if (input_of[b] < 0) continue;
     auto& a = inputs[input_of[b]];
     if (bin->roles[b] == kInplace) {
-      // Aliasing is safe only when this array is the buffer's sole owner. An evaluated array that
-      // shares its buffer (a view such as pool[:n], or another alias) would see the writes: write
-      // into a real copy instead. (mx::copy shares buffers; x * 1 is an exact, materialised copy.)
-      if (a.is_available() && (!a.flags().row_contiguous || a.data_shared_ptr().use_count() > 1)) {
-        a = mx::multiply(a, mx::array(1, a.dtype()), s);
-      } else if (!a.is_available()) {
-        a = mx::contiguous(a, false, s);
-      }
+      if (!alias[input_of[b]]) a = cow_guard(a, s);
     } else if (!a.is_available() || !a.flags().row_contiguous) {
       a = mx::contiguous(a, false, s);  // shares the buffer when already row-contiguous
     }

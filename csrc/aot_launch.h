@@ -27,6 +27,7 @@ struct KernelBinary {
   std::string target;              // "cpu" | "cuda" | "metal"
   std::vector<int> roles;          // per buffer, signature order
   std::vector<int> like;           // per buffer: outputs -> buffer index giving shape/dtype, else -1
+  std::vector<std::string> dtypes; // per buffer: fixed dtype name ("int32"), or "" for the entry's dtype
   std::vector<int> scalar_types;   // per scalar
   std::vector<int> specialize;     // per scalar: 1 = Metal function constant
   int n_inputs = 0;                // buffers with role input or inplace
@@ -38,6 +39,7 @@ struct KernelBinary {
 // Per call: entry symbol (per dtype), scalar values (raw 32-bit patterns) and launch geometry.
 struct LaunchArgs {
   std::string entry;
+  std::string dtype;               // the entry's dtype: every buffer without a fixed dtype must have it
   std::vector<uint32_t> scalars;
   std::array<int, 3> grid{1, 1, 1};   // threads per axis
   std::array<int, 3> group{1, 1, 1};  // threads per threadgroup / block
@@ -65,10 +67,29 @@ class AotLaunch : public mx::Primitive {
   const LaunchArgs& args_;
 };
 
-// Build the lazy launch: validates counts and dtypes, makes inputs row-contiguous, copies an
-// in-place input that another evaluated array shares (a view), returns outputs in signature order.
+// Build the lazy launch: validates counts and dtypes, makes inputs row-contiguous, and gives every
+// in-place input either its own buffer (aliased, see inplace_alias_ok) or a copy-on-write guard
+// (cow_guard). Returns the outputs in signature order.
 std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args,
                               std::vector<mx::array> inputs, mx::StreamOrDevice s = {});
+
+// May in-place input i be written where it lies? (docs/native.md, "In-place outputs")
+bool inplace_alias_ok(const std::vector<mx::array>& inputs, int i);
+
+// The lineage table of aliased pool buffers (see aot_launch.cpp): record an aliased input, the owner
+// count a pool may have, and dropping entries whose pool is gone (returns how many remain).
+void remember_pool(const mx::array& in);
+long expected_pool_owners(const mx::array& pool);
+size_t release_retired_pools();
+
+// MLX's copy-on-write for an in-place input that is not provably exclusive: a scatter of zero rows.
+// When it runs, MLX hands it the input's buffer if nothing else can still read the input (no
+// pending reader, view or live handle: array::is_donatable), else it copies the input into a fresh
+// row-contiguous buffer. Either way the result is a buffer that only the launch sees.
+mx::array cow_guard(const mx::array& a, mx::StreamOrDevice s);
+
+// "float16", "int32", ... (MLX's own dtype_to_string is not exported from libmlx).
+const char* dtype_name(mx::Dtype d);
 
 // Fill n_inputs/n_outputs and the buffer -> input/output index maps from the roles (once, at load).
 void index_buffers(KernelBinary& bin);

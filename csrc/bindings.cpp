@@ -19,8 +19,10 @@ NB_MODULE(_ext, m) {
   nb::class_<KernelBinary>(m, "KernelBinary")
       .def("__init__",
            [](KernelBinary* self, std::string key, std::string path, std::string target, std::vector<int> roles,
-              std::vector<int> like, std::vector<int> scalar_types, std::vector<int> specialize) {
-             if (roles.size() != like.size()) throw std::invalid_argument("roles and like differ in length");
+              std::vector<int> like, std::vector<std::string> dtypes, std::vector<int> scalar_types,
+              std::vector<int> specialize) {
+             if (roles.size() != like.size() || roles.size() != dtypes.size())
+               throw std::invalid_argument("roles, like and dtypes differ in length");
              if (scalar_types.size() != specialize.size())
                throw std::invalid_argument("scalar_types and specialize differ in length");
              auto* b = new (self) KernelBinary();
@@ -29,6 +31,7 @@ NB_MODULE(_ext, m) {
              b->target = std::move(target);
              b->roles = std::move(roles);
              b->like = std::move(like);
+             b->dtypes = std::move(dtypes);
              b->scalar_types = std::move(scalar_types);
              b->specialize = std::move(specialize);
              for (size_t i = 0; i < b->roles.size(); ++i) {
@@ -40,29 +43,43 @@ NB_MODULE(_ext, m) {
              }
              mlx_aot::index_buffers(*b);
            },
-           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a)
+           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "dtypes"_a, "scalar_types"_a, "specialize"_a)
       .def_ro("key", &KernelBinary::key)
       .def_ro("path", &KernelBinary::path)
       .def_ro("target", &KernelBinary::target);
 
   nb::class_<LaunchArgs>(m, "LaunchArgs")
       .def("__init__",
-           [](LaunchArgs* self, std::string entry, std::vector<uint32_t> scalars, std::array<int, 3> grid,
-              std::array<int, 3> group) {
+           [](LaunchArgs* self, std::string entry, std::string dtype, std::vector<uint32_t> scalars,
+              std::array<int, 3> grid, std::array<int, 3> group) {
              for (int i = 0; i < 3; ++i) {
                if (grid[i] < 0 || group[i] < 1)
                  throw std::invalid_argument("grid must be >= 0 and threadgroup >= 1 on every axis");
              }
-             new (self) LaunchArgs{std::move(entry), std::move(scalars), grid, group};
+             new (self) LaunchArgs{std::move(entry), std::move(dtype), std::move(scalars), grid, group};
            },
-           "entry"_a, "scalars"_a, "grid"_a, "threadgroup"_a,
-           "A launch plan: entry symbol, scalar bit patterns, grid (threads) and threadgroup.")
-      .def_ro("entry", &LaunchArgs::entry);
+           "entry"_a, "dtype"_a, "scalars"_a, "grid"_a, "threadgroup"_a,
+           "A launch plan: entry symbol, its dtype, scalar bit patterns, grid (threads) and threadgroup.")
+      .def_ro("entry", &LaunchArgs::entry)
+      .def_ro("dtype", &LaunchArgs::dtype);
 
   m.def(
       "launch",
-      [](std::shared_ptr<KernelBinary> bin, std::shared_ptr<LaunchArgs> args, std::vector<mlx::core::array> inputs,
-         mlx::core::StreamOrDevice s) { return mlx_aot::launch(std::move(bin), std::move(args), std::move(inputs), s); },
+      [](std::shared_ptr<KernelBinary> bin, std::shared_ptr<LaunchArgs> args, nb::sequence seq,
+         mlx::core::StreamOrDevice s) {
+        const size_t n = nb::len(seq);
+        std::vector<mlx::core::array> inputs;
+        inputs.reserve(n);
+        for (size_t i = 0; i < n; ++i) {
+          nb::object item = seq[i];
+          mlx::core::array* a = nullptr;
+          if (!nb::try_cast<mlx::core::array*>(item, a) || a == nullptr)
+            throw nb::type_error(("inputs[" + std::to_string(i) + "] must be an mx.array, got " +
+                                  nb::type_name(item.type()).c_str()).c_str());
+          inputs.push_back(*a);
+        }
+        return mlx_aot::launch(std::move(bin), std::move(args), std::move(inputs), s);
+      },
       "binary"_a, "args"_a, "inputs"_a, "stream"_a = nb::none(),
       "Lazily launch a plan on the artifact; returns the outputs in signature order.");
 
@@ -72,6 +89,9 @@ NB_MODULE(_ext, m) {
       "buffer_owners",
       [](const mlx::core::array& a) -> long { return a.is_available() ? a.data_shared_ptr().use_count() : -1; },
       "a"_a, "How many arrays share this evaluated array's buffer (-1 if not evaluated): the in-place check.");
+  m.def("release_retired_pools", &mlx_aot::release_retired_pools,
+        "Forget aliased pool buffers that only the lineage table still holds (done at every launch); "
+        "returns how many pools remain tracked.");
   m.def("built_with_cuda", &mlx_aot::built_with_cuda);
   m.def("built_with_metal", &mlx_aot::built_with_metal);
 }

@@ -66,6 +66,7 @@ class Launcher:
             key=f"mlx_aot_{Path(path).name}", path=path, target=backend,
             roles=[_ROLE[b.role] for b in sig.buffers],
             like=[names.index(b.like) if b.like else -1 for b in sig.buffers],
+            dtypes=[b.dtype or "" for b in sig.buffers],
             scalar_types=[1 if f else 0 for f in self._scalar_is_float],
             specialize=[int(s.specialize) for s in sig.scalars])
 
@@ -93,7 +94,7 @@ class Launcher:
         except KeyError as e:
             raise KernelArgumentError(f"{self.spec.name}: missing scalar {e.args[0]!r}; the signature needs "
                                       f"{self._scalar_names}") from None
-        return self._ext.LaunchArgs(entry, bits, tuple(grid), tuple(threadgroup))
+        return self._ext.LaunchArgs(entry, dtype, bits, tuple(grid), tuple(threadgroup))
 
     def run(self, plan: Any, arrays: list[mx.array], stream: Any = None) -> list[mx.array]:
         """Launch with a plan; `arrays` are the signature's inputs in `input_names` order."""

@@ -76,6 +76,91 @@ def test_a_view_of_the_pool_forces_a_copy(native_artifacts):
     assert not mx.array_equal(kp_new[:2], kp[:2])
 
 
+def test_rebinding_keeps_the_pool_buffer_across_calls(native_artifacts):
+    """The engine pattern (rebind the returned pools) writes in place every call, whether or not the
+    graph is evaluated between calls (unevaluated pools go through MLX's copy-on-write, which takes
+    the buffer by donation when nothing else can read it)."""
+    kernel = native_kernel(RopeConfig(64))
+    q, k, v, pos, _, kp, vp = make_case(2, 4, 2, 64, 8, "float16", [0, 1])
+    before = data_ptr(kp), data_ptr(vp)
+    for step in range(3):
+        slots = mx.array([2 * step, 2 * step + 1], dtype=mx.int32)
+        _, _, kp, vp = kernel(q, k, v, pos, slots, kp, vp)
+        mx.eval(kp, vp)
+    assert (data_ptr(kp), data_ptr(vp)) == before
+    for step in range(3):  # three calls, one evaluation
+        slots = mx.array([2 * step, 2 * step + 1], dtype=mx.int32)
+        _, _, kp, vp = kernel(q, k, v, pos, slots, kp, vp)
+    assert (data_ptr(kp), data_ptr(vp)) == before
+    assert mx.array_equal(vp[:6], mx.concatenate([v, v, v]))
+
+
+def test_pending_lazy_reader_of_the_old_pool_observes_the_write(native_artifacts):
+    """Documented limit (docs/native.md): an unevaluated computation built from the pool before the call
+    and evaluated after the kernel ran reads the updated buffer. Lazy views and readers of a pool that
+    is itself not evaluated yet are protected (copy-on-write); evaluated views are protected too."""
+    kernel = native_kernel(RopeConfig(64))
+    args = make_case(3, 4, 2, 64, 6, "float32", [1, -1, 4])
+    kp, vp = args[5], args[6]
+    mx.eval(kp, vp)
+    reader = vp[4] * 1                   # pending when the kernel is built
+    _, _, kp_new, vp_new = kernel(*args[:5], kp, vp)
+    mx.eval(kp_new, vp_new)              # the kernel runs first...
+    np.testing.assert_array_equal(np.array(reader), np.array(args[2][2]))  # ...so the reader sees the write
+    # A lazy pool (here not evaluated before the call) is written through MLX's copy-on-write: its
+    # pending readers keep the old values whatever the evaluation order.
+    lazy_pool = vp_new * 1
+    old = np.array(vp_new)
+    reader = lazy_pool[1] + 0
+    _, _, _, vp_lazy = kernel(*args[:4], mx.array([1, 1, 1], dtype=mx.int32), kp_new, lazy_pool)
+    mx.eval(vp_lazy)
+    np.testing.assert_array_equal(np.array(reader), old[1])
+    np.testing.assert_array_equal(np.array(vp_lazy[1]), np.array(args[2][2]))
+
+
+def test_view_of_a_pool_written_before_forces_a_copy(native_artifacts):
+    """The same view rule on the second call, when the launcher's lineage table holds the pool's
+    previous input: the owner count stays exact."""
+    kernel = native_kernel(RopeConfig(64))
+    q, k, v, pos, _, kp, vp = make_case(2, 4, 2, 64, 6, "float32", [0, 1])
+    _, _, kp, vp = kernel(q, k, v, pos, mx.array([0, 1], dtype=mx.int32), kp, vp)
+    mx.eval(kp, vp)
+    view = vp[2:4]
+    mx.eval(view)
+    snapshot = np.array(view)
+    _, _, kp2, vp2 = kernel(q, k, v, pos, mx.array([2, 3], dtype=mx.int32), kp, vp)
+    mx.eval(kp2, vp2)
+    np.testing.assert_array_equal(np.array(view), snapshot)          # the view never changes
+    np.testing.assert_array_equal(np.array(vp2[2:4]), np.array(v))
+    assert data_ptr(vp2) != data_ptr(vp) and data_ptr(kp2) == data_ptr(kp)  # only the viewed pool was copied
+
+
+def test_same_array_as_both_pools_is_not_aliased_twice(native_artifacts):
+    kernel = native_kernel(RopeConfig(64))
+    q, k, v, pos, slots, pool, _ = make_case(2, 4, 2, 64, 4, "float32", [0, 3])
+    mx.eval(pool)
+    old = np.array(pool)
+    _, k_rot, kp, vp = kernel(q, k, v, pos, slots, pool, pool)
+    np.testing.assert_array_equal(np.array(kp[mx.array([0, 3])]), np.array(k_rot))
+    np.testing.assert_array_equal(np.array(vp[mx.array([0, 3])]), np.array(v))
+    np.testing.assert_array_equal(np.array(pool), old)
+
+
+def test_non_contiguous_or_lazy_pools_are_written_through_a_copy(native_artifacts):
+    rope = RopeConfig(32)
+    kernel = native_kernel(rope)
+    q, k, v, pos, slots, kp, vp = make_case(3, 4, 2, 32, 5, "bfloat16", [4, 0, 2])
+    want = rope_pool_fused_reference(q, k, v, pos, slots, kp, vp, rope=rope)
+    base = mx.array(np.ascontiguousarray(to_np(kp).transpose(1, 0, 2))).astype(mx.bfloat16)
+    mx.eval(base)
+    kp_strided = base.transpose(1, 0, 2)            # evaluated, not row-contiguous
+    vp_lazy = vp * 1                                # not evaluated yet
+    got = kernel(q, k, v, pos, slots, kp_strided, vp_lazy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(to_np(g), to_np(w), atol=3e-2)
+    np.testing.assert_array_equal(to_np(base.transpose(1, 0, 2)), to_np(kp))  # the strided source is untouched
+
+
 def test_reader_of_returned_pool_sees_the_write(native_artifacts):
     """A consumer that reads only the pool (not q_rot) is ordered after the kernel."""
     rope = RopeConfig(128)
@@ -169,6 +254,18 @@ def test_launcher_argument_errors(native_artifacts):
         launcher.launch("int8", inputs, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1))
     with pytest.raises(KernelArgumentError, match="missing scalar 'n_tokens'"):
         launcher.launch("float32", inputs, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    scalars = dict.fromkeys([s.name for s in launcher.spec.signature.scalars], 1)
+    bad = dict(inputs, k_pool=inputs["k_pool"].astype(mx.float16))
+    with pytest.raises(ValueError, match="buffer 5 has dtype float16, the entry expects float32"):
+        launcher.launch("float32", bad, scalars, grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    bad = dict(inputs, slots=inputs["slots"].astype(mx.int64))
+    with pytest.raises(ValueError, match="buffer 8 has dtype int64, the entry expects int32"):
+        launcher.launch("float32", bad, scalars, grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    with pytest.raises(TypeError, match=r"inputs\[0\] must be an mx.array"):
+        launcher.run(launcher.plan("float32", scalars, grid=(1, 1, 1), threadgroup=(1, 1, 1)),
+                     [np.zeros(2)] + [inputs[n] for n in launcher.input_names[1:]])
+    with pytest.raises(KernelArgumentError, match="scalar pos_scale=1e\\+40 does not fit in float32"):
+        launcher.plan("float32", dict(scalars, pos_scale=1e40), grid=(1, 1, 1), threadgroup=(1, 1, 1))
     with pytest.raises(ValueError, match="threadgroup >= 1"):
         launcher.plan("float32", dict.fromkeys(launcher.spec.signature.scalars and
                                                [s.name for s in launcher.spec.signature.scalars], 1),
