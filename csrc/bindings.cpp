@@ -19,8 +19,8 @@ NB_MODULE(_ext, m) {
   nb::class_<KernelBinary>(m, "KernelBinary")
       .def("__init__",
            [](KernelBinary* self, std::string key, std::string path, std::string target, std::vector<int> roles,
-              std::vector<int> like, std::vector<std::string> dtypes, std::vector<int> scalar_types,
-              std::vector<int> specialize) {
+              std::vector<int> like, std::vector<int> scalar_types, std::vector<int> specialize,
+              std::vector<std::string> dtypes) {
              if (roles.size() != like.size() || roles.size() != dtypes.size())
                throw std::invalid_argument("roles, like and dtypes differ in length");
              if (scalar_types.size() != specialize.size())
@@ -43,22 +43,22 @@ NB_MODULE(_ext, m) {
              }
              mlx_aot::index_buffers(*b);
            },
-           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "dtypes"_a, "scalar_types"_a, "specialize"_a)
+           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a, "dtypes"_a)
       .def_ro("key", &KernelBinary::key)
       .def_ro("path", &KernelBinary::path)
       .def_ro("target", &KernelBinary::target);
 
   nb::class_<LaunchArgs>(m, "LaunchArgs")
       .def("__init__",
-           [](LaunchArgs* self, std::string entry, std::string dtype, std::vector<uint32_t> scalars,
-              std::array<int, 3> grid, std::array<int, 3> group) {
+           [](LaunchArgs* self, std::string entry, std::vector<uint32_t> scalars, std::array<int, 3> grid,
+              std::array<int, 3> group, std::string dtype) {
              for (int i = 0; i < 3; ++i) {
                if (grid[i] < 0 || group[i] < 1)
                  throw std::invalid_argument("grid must be >= 0 and threadgroup >= 1 on every axis");
              }
              new (self) LaunchArgs{std::move(entry), std::move(dtype), std::move(scalars), grid, group};
            },
-           "entry"_a, "dtype"_a, "scalars"_a, "grid"_a, "threadgroup"_a,
+           "entry"_a, "scalars"_a, "grid"_a, "threadgroup"_a, "dtype"_a,
            "A launch plan: entry symbol, its dtype, scalar bit patterns, grid (threads) and threadgroup.")
       .def_ro("entry", &LaunchArgs::entry)
       .def_ro("dtype", &LaunchArgs::dtype);

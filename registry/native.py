@@ -9,6 +9,8 @@ fallback into an error that carries the fix.
 
 from __future__ import annotations
 
+import math
+import numbers
 import struct
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,14 +36,26 @@ def import_ext():
     return _ext
 
 
-def _f32_bits(name: str, value: float) -> int:
+def _f32_bits(name: str, value: Any) -> int:
+    """The float32 bit pattern the kernel receives. Values round to the nearest float32 (the kernel
+    computes in fp32, as MLX's own fp32 paths do); what float32 cannot hold at all is an error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise KernelArgumentError(f"scalar {name} must be a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise KernelArgumentError(f"scalar {name}={value} is not finite")
     try:
-        return struct.unpack("<I", struct.pack("<f", value))[0]   # rounded to float32, as the kernel computes
+        return struct.unpack("<I", struct.pack("<f", value))[0]
     except OverflowError:
         raise KernelArgumentError(f"scalar {name}={value} does not fit in float32") from None
 
 
-def _i32_bits(name: str, value: int) -> int:
+def _i32_bits(name: str, value: Any) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise KernelArgumentError(f"scalar {name} must be an int32, got {type(value).__name__} {value!r}")
+    value = int(value)
     if not -2**31 <= value < 2**31:
         raise KernelArgumentError(f"scalar {name}={value} does not fit in int32")
     return value & 0xFFFFFFFF
@@ -89,12 +103,12 @@ class Launcher:
             raise KernelArgumentError(f"{self.spec.name}: no entry for dtype {dtype}; the manifest declares "
                                       f"{', '.join(self.entries)}")
         try:
-            bits = [_f32_bits(n, float(scalars[n])) if f else _i32_bits(n, int(scalars[n]))
+            bits = [_f32_bits(n, scalars[n]) if f else _i32_bits(n, scalars[n])
                     for n, f in zip(self._scalar_names, self._scalar_is_float)]
         except KeyError as e:
             raise KernelArgumentError(f"{self.spec.name}: missing scalar {e.args[0]!r}; the signature needs "
                                       f"{self._scalar_names}") from None
-        return self._ext.LaunchArgs(entry, dtype, bits, tuple(grid), tuple(threadgroup))
+        return self._ext.LaunchArgs(entry, bits, tuple(grid), tuple(threadgroup), dtype)
 
     def run(self, plan: Any, arrays: list[mx.array], stream: Any = None) -> list[mx.array]:
         """Launch with a plan; `arrays` are the signature's inputs in `input_names` order."""

@@ -264,6 +264,15 @@ def test_launcher_argument_errors(native_artifacts):
     with pytest.raises(TypeError, match=r"inputs\[0\] must be an mx.array"):
         launcher.run(launcher.plan("float32", scalars, grid=(1, 1, 1), threadgroup=(1, 1, 1)),
                      [np.zeros(2)] + [inputs[n] for n in launcher.input_names[1:]])
+    for bad_scalars, message in ((dict(scalars, n_tokens=2.5), "scalar n_tokens must be an int32, got float 2.5"),
+                                 (dict(scalars, n_tokens=True), "scalar n_tokens must be an int32, got bool"),
+                                 (dict(scalars, n_tokens=2**31), "n_tokens=2147483648 does not fit in int32"),
+                                 (dict(scalars, mscale=float("nan")), "scalar mscale=nan is not finite"),
+                                 (dict(scalars, mscale="1"), "scalar mscale must be a float, got str")):
+        with pytest.raises(KernelArgumentError, match=message):
+            launcher.plan("float32", bad_scalars, grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    assert launcher.plan("float32", dict(scalars, n_tokens=np.int64(3), pos_scale=np.float32(0.5)),
+                         grid=(1, 1, 1), threadgroup=(1, 1, 1)).entry == "rope_pool_fused_f32"
     with pytest.raises(KernelArgumentError, match="scalar pos_scale=1e\\+40 does not fit in float32"):
         launcher.plan("float32", dict(scalars, pos_scale=1e40), grid=(1, 1, 1), threadgroup=(1, 1, 1))
     with pytest.raises(ValueError, match="threadgroup >= 1"):
