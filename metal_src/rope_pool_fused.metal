@@ -1,15 +1,21 @@
 // rope_pool_fused, Metal entry points (docs/kernel-abi.md): one dispatch rotates q and k and stores
 // the rotated k and the unchanged v into the slot-indexed pools.
 //
-// Thread (p, t, g) of grid (head_dim/2, n_tokens, gq + gk): p < rotary_dims/2 is rotary pair p
-// (cos/sin computed once, applied to the group's heads), p >= rotary_dims/2 copies two pass-through
-// features; group g < gq covers q heads, the rest kv heads (k rotation, k and v pool stores).
-// Shapes are function constants so the compiler specialises the index arithmetic per model.
-// precise:: trigonometry: angles reach position * inv_freq ~ 1e5 rad at long contexts, where
-// fast:: loses accuracy.
+// Thread (p, t, g) of grid (head_dim/2, n_tokens, gq + gk) owns feature pair p of token t for the
+// heads of group g: q heads for g < gq, else kv heads (k rotated into k_out, and with v into the
+// pools when the slot is valid). Pairs p < rotary_dims/2 rotate; cos/sin are computed once and
+// reused for every head of the group. The other pairs copy two pass-through features.
+// Consecutive threads along x touch consecutive features of one row, so a SIMD-group's accesses
+// coalesce; adjacent pairs (traditional, pass-through) move as one 2-element vector.
+//
+// Checked on Linux by tests/metal_emu (docs/metal.md); compiled with -std=metal3.1 (bfloat).
 #include <metal_stdlib>
 using namespace metal;
 
+// Function constants: indices count kernels.yaml's specialised scalars in order. Their types must be
+// the launcher's (csrc/aot_launch_metal.cpp passes int32 scalars as MTLDataTypeInt, float32 as
+// MTLDataTypeFloat; Metal refuses a pipeline whose constant types differ), so TRADITIONAL is an int
+// (0 or 1), not a bool. The compiler specialises the index arithmetic per model.
 constant int N_Q_HEADS [[function_constant(0)]];
 constant int N_KV_HEADS [[function_constant(1)]];
 constant int HEAD_DIM [[function_constant(2)]];
@@ -18,6 +24,26 @@ constant int TRADITIONAL [[function_constant(4)]];
 constant int HEADS_PER_THREAD [[function_constant(5)]];
 constant float POS_SCALE [[function_constant(6)]];
 constant float MSCALE [[function_constant(7)]];
+
+// Features a and b of a row. Adjacent pairs start on an even feature of a row of even length, so
+// the 2-element vector access is aligned (the emulator's UBSan checks it).
+template <typename T>
+inline vec<T, 2> load_pair(const device T* row, int a, int b, bool adjacent) {
+  if (adjacent) {
+    return *reinterpret_cast<const device vec<T, 2>*>(row + a);
+  }
+  return vec<T, 2>(row[a], row[b]);
+}
+
+template <typename T>
+inline void store_pair(device T* row, int a, int b, bool adjacent, vec<T, 2> x) {
+  if (adjacent) {
+    *reinterpret_cast<device vec<T, 2>*>(row + a) = x;
+  } else {
+    row[a] = x.x;
+    row[b] = x.y;
+  }
+}
 
 template <typename T>
 [[kernel]] void rope_pool_fused(
@@ -37,7 +63,7 @@ template <typename T>
   const int p = int(gid.x);
   const int t = int(gid.y);
   const int g = int(gid.z);
-  const int hpt = HEADS_PER_THREAD < 1 ? 1 : HEADS_PER_THREAD;
+  const int hpt = max(HEADS_PER_THREAD, 1);
   const int gq = (N_Q_HEADS + hpt - 1) / hpt;
   const int gk = (N_KV_HEADS + hpt - 1) / hpt;
   if (p >= HEAD_DIM / 2 || t >= n_tokens || g >= gq + gk) {
@@ -46,59 +72,53 @@ template <typename T>
   const bool is_q = g < gq;
   const int n_heads = is_q ? N_Q_HEADS : N_KV_HEADS;
   const int h0 = (is_q ? g : g - gq) * hpt;
-  const int h1 = min(h0 + hpt, n_heads);
-  const int half = ROTARY_DIMS / 2;
-  const bool rotary = p < half;
+  const int nh = min(hpt, n_heads - h0);  // the last group of a head count hpt does not divide is partial
+  const int half_rot = ROTARY_DIMS / 2;
+  const bool rotary = p < half_rot;
+  const bool adjacent = TRADITIONAL != 0 || !rotary;
+  const int a = rotary ? (TRADITIONAL != 0 ? 2 * p : p) : ROTARY_DIMS + 2 * (p - half_rot);
+  const int b = adjacent ? a + 1 : a + half_rot;
 
-  int a, b;
-  float c = 1.0f, s = 0.0f;
+  float c = 1.0f;
+  float s = 0.0f;
   if (rotary) {
-    a = TRADITIONAL ? 2 * p : p;
-    b = TRADITIONAL ? 2 * p + 1 : p + half;
+    // precise::, not fast:: (which Metal's default -ffast-math picks for plain cos/sin): angles reach
+    // position * inv_freq ~ 1e5 rad at long contexts, where fast:: range reduction loses accuracy.
     const float angle = float(positions[t]) * POS_SCALE * inv_freq[p];
-    c = precise::cos(angle);
-    s = precise::sin(angle);
-  } else {
-    a = ROTARY_DIMS + 2 * (p - half);
-    b = a + 1;
+    s = precise::sincos(angle, c);
   }
 
   const int slot = is_q ? -1 : slots[t];
-  const bool write = !is_q && slot >= 0 && slot < pool_size;  // never out of bounds
-  const device T* in = is_q ? q : k;
-  device T* out = is_q ? q_out : k_out;
-  for (int h = h0; h < h1; ++h) {
-    const int row = (t * n_heads + h) * HEAD_DIM;
-    T ra, rb;
+  const bool store = slot >= 0 && slot < pool_size;  // slot < 0: rotate only; >= pool_size: never written
+  // 64-bit element offsets: a pool of millions of slots can exceed 2^31 elements.
+  const long row = (long(t) * n_heads + h0) * HEAD_DIM;
+  const long pool_row = store ? (long(slot) * N_KV_HEADS + h0) * HEAD_DIM : 0;
+  const device T* src = (is_q ? q : k) + row;
+  device T* dst = (is_q ? q_out : k_out) + row;
+  for (int i = 0; i < nh; ++i) {
+    const long off = long(i) * HEAD_DIM;
+    vec<T, 2> x = load_pair(src + off, a, b, adjacent);
     if (rotary) {
-      const float x1 = float(in[row + a]) * MSCALE;
-      const float x2 = float(in[row + b]) * MSCALE;
-      ra = T(x1 * c - x2 * s);
-      rb = T(x1 * s + x2 * c);
-    } else {
-      ra = in[row + a];
-      rb = in[row + b];
+      const float x1 = float(x.x) * MSCALE;
+      const float x2 = float(x.y) * MSCALE;
+      x = vec<T, 2>(T(x1 * c - x2 * s), T(x1 * s + x2 * c));  // fp32 math, one rounding to T
     }
-    out[row + a] = ra;
-    out[row + b] = rb;
-    if (write) {
-      const int dst = (slot * N_KV_HEADS + h) * HEAD_DIM;
-      k_pool[dst + a] = ra;
-      k_pool[dst + b] = rb;
-      v_pool[dst + a] = v[row + a];
-      v_pool[dst + b] = v[row + b];
+    store_pair(dst + off, a, b, adjacent, x);
+    if (store) {
+      store_pair(k_pool + pool_row + off, a, b, adjacent, x);
+      store_pair(v_pool + pool_row + off, a, b, adjacent, load_pair(v + row + off, a, b, adjacent));
     }
   }
 }
 
-#define INSTANTIATE(NAME, T)                                                            \
-  template [[host_name(NAME)]] [[kernel]] void rope_pool_fused<T>(                      \
-      const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],                 \
-      const device T* v [[buffer(2)]], device T* q_out [[buffer(3)]],                   \
-      device T* k_out [[buffer(4)]], device T* k_pool [[buffer(5)]],                    \
-      device T* v_pool [[buffer(6)]], const device int* positions [[buffer(7)]],        \
-      const device int* slots [[buffer(8)]], const device float* inv_freq [[buffer(9)]],\
-      constant int& n_tokens [[buffer(10)]], constant int& pool_size [[buffer(11)]],    \
+#define INSTANTIATE(NAME, T)                                                             \
+  template [[host_name(NAME)]] [[kernel]] void rope_pool_fused<T>(                       \
+      const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],                  \
+      const device T* v [[buffer(2)]], device T* q_out [[buffer(3)]],                    \
+      device T* k_out [[buffer(4)]], device T* k_pool [[buffer(5)]],                     \
+      device T* v_pool [[buffer(6)]], const device int* positions [[buffer(7)]],         \
+      const device int* slots [[buffer(8)]], const device float* inv_freq [[buffer(9)]], \
+      constant int& n_tokens [[buffer(10)]], constant int& pool_size [[buffer(11)]],     \
       uint3 gid [[thread_position_in_grid]]);
 
 INSTANTIATE("rope_pool_fused_f16", half)

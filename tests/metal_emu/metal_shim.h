@@ -1,23 +1,39 @@
-// Host C++ stand-ins for the part of the Metal Shading Language our kernels use, so that
-// metal_src/*.metal compiles with g++ and runs thread by thread on the CPU (tests/metal_emu/).
-// What is here is all that is supported: anything else fails to compile, and emulator.py turns
-// that error into "unsupported Metal feature: <name>".
+// Host C++ stand-ins for the part of the Metal Shading Language our kernels use, so that a
+// metal_src/*.metal kernel compiles with g++/clang++ and runs thread by thread on the CPU
+// (tests/metal_emu/emulator.py translates the source; runtime.h drives it).
+//
+// What is here is all that is supported. Anything else fails to compile, and emulator.py turns the
+// compiler's error into "unsupported Metal feature: <name>"; features that compile but cannot be
+// emulated faithfully (SIMD-group functions, atomics, textures, ...) are refused by name before.
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <vector>
+#include <type_traits>
 
-// Address spaces: one flat host memory.
+// Address spaces: one flat host memory. `constant` is read-only, as on the GPU. Threadgroup
+// *declarations* are rewritten by emulator.py into metal_emu::tg_var (storage shared by the threads
+// of one threadgroup); the qualifier left on pointers and references means nothing more.
 #define device
+#define constant const
 #define thread
-#define constant
+#define threadgroup
 
 // ---------------------------------------------------------------------------- scalar types
+typedef unsigned int uint;
+typedef unsigned short ushort;
+typedef unsigned char uchar;
+// IEEE binary16 with round-to-nearest-even conversions, like Metal's half. Arithmetic on two
+// halves may keep float precision inside one expression on the host (g++ evaluates _Float16 in
+// float); Metal rounds each operation to half. Keep half math in float, as our kernels do.
 typedef _Float16 half;
 
-// bfloat: storage of the top 16 bits of an IEEE float; float -> bfloat rounds to nearest even.
+// Metal's bfloat (MSL 3.1): the top 16 bits of an IEEE float; conversion from float rounds to
+// nearest even, NaN stays NaN. Arithmetic runs in float and rounds once, like the GPU.
 struct bfloat {
   uint16_t bits;
   bfloat() = default;
@@ -25,12 +41,16 @@ struct bfloat {
     uint32_t u;
     std::memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
-      bits = static_cast<uint16_t>((u >> 16) | 0x40);
+      bits = static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN, sign and payload top kept
     } else {
       u += 0x7fffu + ((u >> 16) & 1u);
       bits = static_cast<uint16_t>(u >> 16);
     }
   }
+  bfloat(double d) : bfloat(static_cast<float>(d)) {}
+  bfloat(int i) : bfloat(static_cast<float>(i)) {}
+  bfloat(uint i) : bfloat(static_cast<float>(i)) {}
+  bfloat(half h) : bfloat(static_cast<float>(h)) {}
   operator float() const {
     uint32_t u = static_cast<uint32_t>(bits) << 16;
     float f;
@@ -40,61 +60,220 @@ struct bfloat {
 };
 static_assert(sizeof(bfloat) == 2, "bfloat must be 2 bytes like Metal's");
 
-typedef unsigned int uint;
+// bfloat op bfloat -> bfloat. Templates, so that bfloat op float is the builtin float operation
+// (Metal promotes the same way) instead of an ambiguous overload.
+#define METAL_EMU_BF_OP(OP)                                                                   \
+  template <typename B, typename = std::enable_if_t<std::is_same<B, bfloat>::value>>         \
+  inline B operator OP(B a, B b) { return B(float(a) OP float(b)); }                         \
+  template <typename B, typename = std::enable_if_t<std::is_same<B, bfloat>::value>>         \
+  inline B& operator OP##=(B& a, B b) { return a = B(float(a) OP float(b)); }
+METAL_EMU_BF_OP(+)
+METAL_EMU_BF_OP(-)
+METAL_EMU_BF_OP(*)
+METAL_EMU_BF_OP(/)
+#undef METAL_EMU_BF_OP
+inline bfloat operator-(bfloat a) { bfloat r = a; r.bits ^= 0x8000u; return r; }
+
+// ---------------------------------------------------------------------------- vector types
+// vec<T, N> with Metal's sizes and alignments (a 3-vector occupies 4 elements), so reinterpreting
+// device memory as vectors has Metal's layout, and UBSan's alignment check reports a misaligned
+// vector access as the GPU would fault on it. Declared in metal::, usable unqualified like Metal's.
+namespace metal {
+template <typename T, int N>
+struct vec;
+
+#define METAL_EMU_VEC_OPS(N)                                                                   \
+  T& operator[](int i) { return (&x)[i]; }                                                    \
+  const T& operator[](int i) const { return (&x)[i]; }                                        \
+  friend vec operator+(vec a, const vec& b) { for (int i = 0; i < N; ++i) a[i] = a[i] + b[i]; return a; } \
+  friend vec operator-(vec a, const vec& b) { for (int i = 0; i < N; ++i) a[i] = a[i] - b[i]; return a; } \
+  friend vec operator*(vec a, const vec& b) { for (int i = 0; i < N; ++i) a[i] = a[i] * b[i]; return a; } \
+  friend vec operator/(vec a, const vec& b) { for (int i = 0; i < N; ++i) a[i] = a[i] / b[i]; return a; } \
+  friend vec operator*(vec a, T s) { for (int i = 0; i < N; ++i) a[i] = a[i] * s; return a; }             \
+  friend vec operator*(T s, vec a) { for (int i = 0; i < N; ++i) a[i] = s * a[i]; return a; }
 
 template <typename T>
-struct vec3 {
-  T x, y, z;
-};
-typedef vec3<uint> uint3;
-typedef vec3<int> int3;
-template <typename T>
-struct vec2 {
+struct alignas(2 * sizeof(T)) vec<T, 2> {
   T x, y;
+  vec() = default;
+  explicit vec(T s) : x(s), y(s) {}
+  vec(T x_, T y_) : x(x_), y(y_) {}
+  template <typename U>
+  explicit vec(const vec<U, 2>& o) : x(T(o.x)), y(T(o.y)) {}
+  METAL_EMU_VEC_OPS(2)
 };
-typedef vec2<float> float2;
-typedef vec2<uint> uint2;
+template <typename T>
+struct alignas(4 * sizeof(T)) vec<T, 3> {
+  T x, y, z;
+  vec() = default;
+  explicit vec(T s) : x(s), y(s), z(s) {}
+  vec(T x_, T y_, T z_) : x(x_), y(y_), z(z_) {}
+  template <typename U>
+  explicit vec(const vec<U, 3>& o) : x(T(o.x)), y(T(o.y)), z(T(o.z)) {}
+  METAL_EMU_VEC_OPS(3)
+};
+template <typename T>
+struct alignas(4 * sizeof(T)) vec<T, 4> {
+  T x, y, z, w;
+  vec() = default;
+  explicit vec(T s) : x(s), y(s), z(s), w(s) {}
+  vec(T x_, T y_, T z_, T w_) : x(x_), y(y_), z(z_), w(w_) {}
+  template <typename U>
+  explicit vec(const vec<U, 4>& o) : x(T(o.x)), y(T(o.y)), z(T(o.z)), w(T(o.w)) {}
+  METAL_EMU_VEC_OPS(4)
+};
+#undef METAL_EMU_VEC_OPS
+
+}  // namespace metal
+using metal::vec;
+#define METAL_EMU_VEC_TYPES(T)     \
+  typedef metal::vec<T, 2> T##2;   \
+  typedef metal::vec<T, 3> T##3;   \
+  typedef metal::vec<T, 4> T##4;
+METAL_EMU_VEC_TYPES(float)
+METAL_EMU_VEC_TYPES(half)
+METAL_EMU_VEC_TYPES(bfloat)
+METAL_EMU_VEC_TYPES(int)
+METAL_EMU_VEC_TYPES(uint)
+METAL_EMU_VEC_TYPES(short)
+METAL_EMU_VEC_TYPES(ushort)
+#undef METAL_EMU_VEC_TYPES
+static_assert(sizeof(float3) == 16 && alignof(half2) == 4, "Metal vector layout");
 
 // ---------------------------------------------------------------------------- metal:: math
 namespace metal {
-inline float cos(float x) { return std::cos(x); }
-inline float sin(float x) { return std::sin(x); }
-inline float exp2(float x) { return std::exp2(x); }
-inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 template <typename T>
 inline T min(T a, T b) { return a < b ? a : b; }
 template <typename T>
 inline T max(T a, T b) { return a > b ? a : b; }
+template <typename T>
+inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
+template <typename T>
+inline T select(T a, T b, bool c) { return c ? b : a; }
+inline int abs(int x) { return x < 0 ? -x : x; }
+
+// The float functions, once per namespace. precise:: and fast:: are both libm here: on the host
+// they differ in nothing, so only a Mac checks fast:: accuracy (docs/metal.md).
+#define METAL_EMU_MATH                                                                   \
+  inline float cos(float x) { return std::cos(x); }                                      \
+  inline float sin(float x) { return std::sin(x); }                                      \
+  inline float tan(float x) { return std::tan(x); }                                      \
+  inline float sincos(float x, float& c) { c = std::cos(x); return std::sin(x); }        \
+  inline float exp(float x) { return std::exp(x); }                                      \
+  inline float exp2(float x) { return std::exp2(x); }                                    \
+  inline float log(float x) { return std::log(x); }                                      \
+  inline float log2(float x) { return std::log2(x); }                                    \
+  inline float pow(float x, float y) { return std::pow(x, y); }                          \
+  inline float sqrt(float x) { return std::sqrt(x); }                                    \
+  inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }                            \
+  inline float fabs(float x) { return std::fabs(x); }                                    \
+  inline float abs(float x) { return std::fabs(x); }                                     \
+  inline float floor(float x) { return std::floor(x); }                                  \
+  inline float ceil(float x) { return std::ceil(x); }                                    \
+  inline float round(float x) { return std::round(x); }                                  \
+  inline float rint(float x) { return std::rint(x); }                                    \
+  inline float trunc(float x) { return std::trunc(x); }                                  \
+  inline float fmod(float x, float y) { return std::fmod(x, y); }                        \
+  inline float fmin(float x, float y) { return std::fmin(x, y); }                        \
+  inline float fmax(float x, float y) { return std::fmax(x, y); }                        \
+  inline float tanh(float x) { return std::tanh(x); }                                    \
+  inline float divide(float x, float y) { return x / y; }
+METAL_EMU_MATH
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline bool isnan(float x) { return std::isnan(x); }
+inline bool isinf(float x) { return std::isinf(x); }
+inline bool isfinite(float x) { return std::isfinite(x); }
 namespace precise {
-inline float cos(float x) { return std::cos(x); }
-inline float sin(float x) { return std::sin(x); }
+METAL_EMU_MATH
 }  // namespace precise
 namespace fast {
-// Metal's fast:: variants trade accuracy for speed on the GPU; on the host they are the precise
-// functions, so only a Mac run checks their precision (docs/metal.md).
-inline float cos(float x) { return std::cos(x); }
-inline float sin(float x) { return std::sin(x); }
+METAL_EMU_MATH
 }  // namespace fast
+#undef METAL_EMU_MATH
+
+// Barriers: threadgroup_barrier synchronises the threads of a threadgroup (runtime.h runs them as
+// fibers); mem_flags only order memory on a GPU, which one host thread does not need.
+enum class mem_flags : int { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 }  // namespace metal
 
-// ---------------------------------------------------------------------------- function constants
-// `constant T NAME [[function_constant(i)]];` becomes AOT_FUNCTION_CONSTANT(T, NAME, i): a global
-// the launcher sets per launch by index, like MTLFunctionConstantValues.
+// ---------------------------------------------------------------------------- runtime hooks
 namespace metal_emu {
+
+// Function constants: `constant T NAME [[function_constant(i)]];` becomes
+// METAL_EMU_FUNCTION_CONSTANT(T, NAME, i): a global the runtime sets before each launch from the
+// launch's values by index, like MTLFunctionConstantValues. Registration happens at static
+// initialisation; the runtime refuses duplicate indices and launches that leave one unset.
+template <typename T> const char* type_name();
+template <> inline const char* type_name<int>() { return "int"; }
+template <> inline const char* type_name<uint>() { return "uint"; }
+template <> inline const char* type_name<short>() { return "short"; }
+template <> inline const char* type_name<ushort>() { return "ushort"; }
+template <> inline const char* type_name<bool>() { return "bool"; }
+template <> inline const char* type_name<float>() { return "float"; }
+template <> inline const char* type_name<half>() { return "half"; }
+
 struct FunctionConstant {
   int index;
+  const char* name;
+  const char* type;
   void* ptr;
   int size;
 };
-inline std::vector<FunctionConstant>& function_constants() {
-  static std::vector<FunctionConstant> table;
+constexpr int kMaxFunctionConstants = 64;
+inline FunctionConstant* function_constants() {
+  static FunctionConstant table[kMaxFunctionConstants];
   return table;
 }
+inline int& n_function_constants() {
+  static int n = 0;
+  return n;
+}
 struct RegisterConstant {
-  RegisterConstant(int index, void* ptr, int size) { function_constants().push_back({index, ptr, size}); }
+  RegisterConstant(int index, const char* name, const char* type, void* ptr, int size) {
+    if (n_function_constants() == kMaxFunctionConstants) {
+      std::fprintf(stderr, "metal_emu: more than %d function constants\n", kMaxFunctionConstants);
+      std::exit(2);
+    }
+    function_constants()[n_function_constants()++] = {index, name, type, ptr, size};
+  }
 };
+
+// Storage of a `threadgroup` declaration (id: one per declaration site), shared by the threads of
+// the running threadgroup and filled with 0xFF bytes (NaN, -1) when each threadgroup starts: reading
+// it before any thread wrote it shows up instead of silently reading the previous group's data.
+void* threadgroup_storage(int id, size_t size, size_t align);
+template <typename T>
+inline T& tg_var(int id) {
+  return *static_cast<T*>(threadgroup_storage(id, sizeof(T), alignof(T)));
+}
+
+// threadgroup_barrier(flags), rewritten by emulator.py to barrier(<call site>, flags): suspends the
+// calling thread until every thread of its threadgroup reached the same call site.
+void barrier(int site, metal::mem_flags flags);
+
+// The position attributes of the running thread.
+struct ThreadIds {
+  uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid,
+      threads_per_threadgroup, threads_per_grid, threadgroups_per_grid;
+  uint thread_index_in_threadgroup;
+};
+
+template <typename T> struct Pos;
+template <> struct Pos<uint3> { static uint3 get(const uint3& v) { return v; } };
+template <> struct Pos<uint2> { static uint2 get(const uint3& v) { return uint2(v.x, v.y); } };
+template <> struct Pos<uint> { static uint get(const uint3& v) { return v.x; } };
+template <> struct Pos<ushort3> {
+  static ushort3 get(const uint3& v) { return ushort3(ushort(v.x), ushort(v.y), ushort(v.z)); }
+};
+template <> struct Pos<ushort2> { static ushort2 get(const uint3& v) { return ushort2(ushort(v.x), ushort(v.y)); } };
+template <> struct Pos<ushort> { static ushort get(const uint3& v) { return ushort(v.x); } };
+template <typename T>
+inline T pos_as(const uint3& v) { return Pos<T>::get(v); }
+
 }  // namespace metal_emu
 
-#define AOT_FUNCTION_CONSTANT(T, NAME, INDEX) \
-  static T NAME;                              \
-  static metal_emu::RegisterConstant NAME##_registration(INDEX, &NAME, sizeof(T))
+#define METAL_EMU_FUNCTION_CONSTANT(T, NAME, INDEX) \
+  static T NAME;                                    \
+  static metal_emu::RegisterConstant NAME##_registration(INDEX, #NAME, metal_emu::type_name<T>(), &NAME, sizeof(T))
+
