@@ -52,11 +52,11 @@ bool AotLaunch::is_equivalent(const mx::Primitive& other) const {
 namespace {
 
 // Every buffer this launcher has aliased, mapped to the array that was its in-place input the last
-// time. Between two launches on one pool, MLX itself may still hold that previous input: CUDA keeps
-// every input of a launch alive until its graph has run, and the caller may hold the array it passed
-// (the documented contract: it shares storage with the returned pool). Holding it here too makes the
-// buffer's owner count exact: the returned pool + this previous input, + 1 per view. A buffer whose
-// only remaining owner is the entry itself was dropped by its user and is released at the next launch.
+// time. Between two launches on one pool, that previous input may still be alive: the caller may
+// hold it (the documented contract: it shares storage with the returned pool) and MLX keeps a
+// launch's inputs until its work has run. Holding it here too makes that owner permanent, so the
+// buffer's owner count is predictable: the pool + its previous input, + 1 per view. An entry whose
+// pool its user dropped (the entry is the last owner) is released at the next launch.
 std::mutex pools_mu;
 std::unordered_map<const mx::allocator::Data*, mx::array> pools;
 
@@ -73,10 +73,24 @@ void remember_pool(const mx::array& in) {
   pools.insert_or_assign(in.data_shared_ptr().get(), in);
 }
 
-long expected_pool_owners(const mx::array& pool) {
+bool computed_pool_alias_ok(const mx::array& a) {
+  const auto& data = a.data_shared_ptr();
   std::lock_guard<std::mutex> lock(pools_mu);
   prune_pools_locked();
-  return pools.count(pool.data_shared_ptr().get()) ? 2 : 1;
+  auto it = pools.find(data.get());
+  const bool lineage = it != pools.end();
+  if (!a.is_available()) {
+    // Still running (async_eval): MLX holds references to the buffer for the work in flight, which
+    // cannot be told from views. A pool this launcher wrote before is trusted (the contract); any
+    // other buffer is left to copy-on-write.
+    return lineage;
+  }
+  if (data.use_count() <= (lineage ? 2 : 1)) return true;
+  // Another owner: a view, an alias, or a reference MLX has not released yet. Copy-on-write decides
+  // when the graph runs, exactly; forgetting the entry lets it take the buffer by donation if by then
+  // nothing else holds it.
+  if (lineage) pools.erase(it);
+  return false;
 }
 
 size_t release_retired_pools() {
@@ -160,11 +174,8 @@ bool inplace_alias_ok(const std::vector<mx::array>& inputs, int i) {
     }
     return false;
   }
-  // Computed (possibly still running): alias only a row-contiguous buffer that no other array
-  // shares. The owner count is exact thanks to the lineage table: 1 for a pool this launcher has not
-  // written yet, 2 for one it has (the pool + its previous input, see remember_pool).
-  if (!a.flags().row_contiguous) return false;
-  return a.data_shared_ptr().use_count() <= expected_pool_owners(a);
+  // Computed: alias only a row-contiguous buffer that no other array shares (computed_pool_alias_ok).
+  return a.flags().row_contiguous && computed_pool_alias_ok(a);
 }
 
 std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args,

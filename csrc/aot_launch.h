@@ -76,10 +76,11 @@ std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shar
 // May in-place input i be written where it lies? (docs/native.md, "In-place outputs")
 bool inplace_alias_ok(const std::vector<mx::array>& inputs, int i);
 
-// The lineage table of aliased pool buffers (see aot_launch.cpp): record an aliased input, the owner
-// count a pool may have, and dropping entries whose pool is gone (returns how many remain).
+// The lineage table of aliased pool buffers (see aot_launch.cpp): record an aliased input, decide a
+// computed pool (row-contiguous already checked), and drop entries whose pool is gone (returns how
+// many remain).
 void remember_pool(const mx::array& in);
-long expected_pool_owners(const mx::array& pool);
+bool computed_pool_alias_ok(const mx::array& pool);
 size_t release_retired_pools();
 
 // MLX's copy-on-write for an in-place input that is not provably exclusive: a scatter of zero rows.

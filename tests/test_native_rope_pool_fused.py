@@ -28,7 +28,10 @@ def native_kernel(rope: RopeConfig):
 
 def data_ptr(a: mx.array) -> int:
     mx.eval(a)
-    return np.asarray(a).__array_interface__["data"][0] if a.size else 0
+    if not a.size:
+        return 0
+    raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # NumPy has no bfloat16
+    return np.asarray(raw).__array_interface__["data"][0]
 
 
 @pytest.mark.parametrize("dtype, gqa, head_dim, variant", matrix())
@@ -93,6 +96,35 @@ def test_rebinding_keeps_the_pool_buffer_across_calls(native_artifacts):
         _, _, kp, vp = kernel(q, k, v, pos, slots, kp, vp)
     assert (data_ptr(kp), data_ptr(vp)) == before
     assert mx.array_equal(vp[:6], mx.concatenate([v, v, v]))
+
+
+def test_async_eval_pipelining_keeps_the_pool_buffer(native_artifacts):
+    """mlx-lm's generate loop builds step n+1 while step n still runs (mx.async_eval): the pool is then
+    not computed yet when the next call is built, and the launcher trusts a buffer it wrote before."""
+    kernel = native_kernel(RopeConfig(64))
+    q, k, v, pos, _, kp, vp = make_case(4, 4, 2, 64, 64, "bfloat16", [0, 1, 2, 3])
+    before = data_ptr(kp), data_ptr(vp)
+    readers = []
+    for step in range(6):
+        slots = mx.arange(4 * step, 4 * step + 4, dtype=mx.int32)
+        _, _, kp, vp = kernel(q, k, v, pos, slots, kp, vp, check_slots=False)
+        readers.append(mx.sum(kp[: 4 * step + 4].astype(mx.float32)))  # a slicing reader, like attention
+        mx.async_eval(readers[-1])
+    assert (data_ptr(kp), data_ptr(vp)) == before
+    np.testing.assert_array_equal(to_np(vp[:24]), np.concatenate([to_np(v)] * 6))
+
+
+def test_lineage_table_releases_dropped_pools(native_artifacts):
+    from registry.native import import_ext
+    ext = import_ext()
+    kernel = native_kernel(RopeConfig(64))
+    tracked = ext.release_retired_pools()
+    q, k, v, pos, slots, kp, vp = make_case(2, 4, 2, 64, 8, "float32", [0, 1])
+    out = kernel(q, k, v, pos, slots, kp, vp)
+    mx.eval(out)
+    assert ext.release_retired_pools() == tracked + 2   # the previous inputs of both pools
+    del kp, vp, out
+    assert ext.release_retired_pools() == tracked       # their buffers are free again
 
 
 def test_pending_lazy_reader_of_the_old_pool_observes_the_write(native_artifacts):

@@ -1,5 +1,6 @@
-"""Probe (not a test): who still owns a pool's buffer when the next call is built, after mx.eval and
-under mx.async_eval pipelining, on the default device. Informs the in-place decision (docs/native.md)."""
+"""Probe (not a test): how many arrays own a pool's buffer when the next call is built, after mx.eval
+and under mx.async_eval pipelining, and whether the pool stayed in place. Run on the GPU host after
+tests/gpu/run_on_host.sh: `PYTHONPATH=. python3 tests/gpu/probe_ownership.py` (docs/gpu-runs.md)."""
 import mlx.core as mx
 import numpy as np
 
@@ -19,7 +20,7 @@ p0 = ptr(kp)
 for mode in ("eval", "async_eval"):
     seen = []
     for i in range(6):
-        seen.append((kp.is_available() if hasattr(kp, "is_available") else None, ext.buffer_owners(kp)))
+        seen.append(ext.buffer_owners(kp))  # -1: not computed yet (async_eval still running)
         slots = mx.arange(T, dtype=mx.int32) + i * T
         _, _, kp, vp = kernel(q, k, v, pos, slots, kp, vp, check_slots=False)
         y = mx.sum(kp[: (i + 1) * T].astype(mx.float32))
