@@ -53,6 +53,29 @@ def test_parity_matrix(native_artifacts, dtype, gqa, head_dim, variant):
     assert mx.array_equal(got[2][mx.array([5, 0, 11, 3, 7])][..., r:], args[1][mx.array([0, 2, 3, 5, 6])][..., r:])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_conversions_are_exact_at_position_zero(native_artifacts, dtype):
+    """At position 0 the rotation is the identity, so every finite value, subnormals and extremes of
+    the storage type included, must come back bit for bit (one exact round trip through fp32)."""
+    mx_dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
+    info_max = 65504.0 if dtype == "float16" else 3.0e38
+    tiny = 2.0 ** -24 if dtype == "float16" else 2.0 ** -133
+    # (-0.0 is left out: x1*sin + x2*cos with x2 = -0 and sin = 0 is +0 in IEEE arithmetic.)
+    specials = np.array([0.0, tiny, -tiny, 3 * tiny, 6.1e-5, -6.1e-5, 1.0, -2.5, info_max, -info_max,
+                         0.1, 1 / 3, 1000.5, -7.0e-3, 42.0], np.float32)
+    q = mx.array(np.resize(specials, (3, 4, 64))).astype(mx_dtype)
+    kv = mx.array(np.resize(specials[::-1], (3, 2, 64))).astype(mx_dtype)
+    pool = mx.zeros((4, 2, 64), mx_dtype)
+    kernel = native_kernel(RopeConfig(48))
+    pos = mx.zeros((3,), mx.int32)
+    q_rot, k_rot, kp, vp = kernel(q, kv, kv, pos, mx.array([0, 1, 2], dtype=mx.int32), pool, mx.array(pool))
+    bits = lambda a: np.array(a.view(mx.uint16))
+    np.testing.assert_array_equal(bits(q_rot), bits(q))
+    np.testing.assert_array_equal(bits(k_rot), bits(kv))
+    np.testing.assert_array_equal(bits(kp[:3]), bits(kv))
+    np.testing.assert_array_equal(bits(vp[:3]), bits(kv))
+
+
 def test_pools_are_updated_in_place(native_artifacts):
     rope = RopeConfig(64)
     args = make_case(3, 8, 2, 64, 6, "float16", [1, -1, 4])
