@@ -57,8 +57,9 @@ namespace {
 // launch's inputs until its work has run. Holding it here too makes that owner permanent, so the
 // buffer's owner count is predictable: the pool + its previous input, + 1 per view. An entry whose
 // pool its user dropped (the entry is the last owner) is released at the next launch.
+// Intentionally leaked: at process exit its arrays must not be freed after MLX's allocator is gone.
 std::mutex pools_mu;
-std::unordered_map<const mx::allocator::Data*, mx::array> pools;
+auto& pools = *new std::unordered_map<const mx::allocator::Data*, mx::array>();
 
 void prune_pools_locked() {
   for (auto it = pools.begin(); it != pools.end();) {
