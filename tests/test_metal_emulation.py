@@ -390,8 +390,9 @@ def test_thread_order_exposes_write_races(selftest):
 
 def test_half_and_bfloat_round_like_metal(selftest):
     tie_bf = np.array([1 + 2**-8, 1 + 3 * 2**-8], np.float32)     # exact ties: round to even
+    tie_half = [1 + 2**-11, 1 + 3 * 2**-11, 2**-25, 3 * 2**-25, -(2**-14 - 2**-25), 65519.99]
     x = np.concatenate([np.array([0.0, -0.0, 1.0, 65504.0, 65520.0, 1e-8, 6e-5, 3.14159265, -2.5e38,
-                                  np.inf, -np.inf, np.nan], np.float32), tie_bf,
+                                  np.inf, -np.inf, np.nan, *tie_half], np.float32), tie_bf,
                         np.random.default_rng(0).standard_normal(50).astype(np.float32) * 100])
     out = selftest.run("convert", {0: x, 1: np.zeros(x.size, np.float16), 2: np.zeros(x.size, np.uint16)},
                        {0: Constant.of("float32", 1.0)}, (x.size, 1, 1), (32, 1, 1))

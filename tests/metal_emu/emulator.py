@@ -170,9 +170,9 @@ def preprocess(source: Path, include_dirs: Sequence[Path] = (), defines: Sequenc
            *[f"-D{d}" for d in defines], str(source)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
-        header = re.search(r"fatal error: ([\w./]+): No such file", p.stderr)
+        header = re.search(r"fatal error: ([\w./]+): No such file|fatal error: '([\w./]+)' file not found", p.stderr)
         if header:
-            raise UnsupportedMetalFeature(f"{source}: unsupported Metal feature: header <{header.group(1)}> "
+            raise UnsupportedMetalFeature(f"{source}: unsupported Metal feature: header <{header.group(1) or header.group(2)}> "
                                           f"(the emulation provides only <metal_stdlib>, via metal_shim.h)")
         raise EmulationError(f"preprocessing {source} failed:\n{p.stderr[-3000:]}")
     return p.stdout

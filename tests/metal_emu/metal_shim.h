@@ -30,7 +30,48 @@ typedef unsigned char uchar;
 // IEEE binary16 with round-to-nearest-even conversions, like Metal's half. Arithmetic on two
 // halves may keep float precision inside one expression on the host (g++ evaluates _Float16 in
 // float); Metal rounds each operation to half. Keep half math in float, as our kernels do.
+#if defined(__FLT16_MAX__) && !defined(METAL_EMU_SOFT_HALF)
 typedef _Float16 half;
+#else
+#define METAL_EMU_HALF_IS_STRUCT 1
+// Compilers without _Float16 on this target (clang < 15 on x86-64): the same conversions in software.
+struct half {
+  uint16_t bits;
+  half() = default;
+  half(float f) : bits(from_float(f)) {}
+  half(double d) : half(static_cast<float>(d)) {}
+  half(int i) : half(static_cast<float>(i)) {}
+  half(unsigned int i) : half(static_cast<float>(i)) {}
+  operator float() const {
+    const uint32_t sign = (bits & 0x8000u) << 16, exp = (bits >> 10) & 0x1fu, mant = bits & 0x3ffu;
+    if (exp == 0) {  // zero or subnormal: mant * 2^-24
+      const float f = std::ldexp(static_cast<float>(mant), -24);
+      return sign ? -f : f;
+    }
+    const uint32_t u = sign | (exp == 31 ? 0x7f800000u : (exp + 112) << 23) | (mant << 13);
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static uint16_t from_float(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u | ((a >> 13) & 0x3ffu);  // NaN stays (quiet) NaN
+    if (a >= 0x477ff000u) return sign | 0x7c00u;                        // >= 65520 rounds to infinity
+    if (a < 0x38800000u) {                                               // below 2^-14: subnormal half
+      float m;
+      std::memcpy(&m, &a, 4);
+      return sign | static_cast<uint16_t>(std::nearbyint(m * 16777216.0f));  // exact scaling, then RNE
+    }
+    a += 0xc8000fffu + ((a >> 13) & 1u);  // rebias the exponent by -112 and round to nearest even
+    return sign | static_cast<uint16_t>(a >> 13);
+  }
+};
+inline half operator-(half a) { half r = a; r.bits ^= 0x8000u; return r; }
+#endif
+static_assert(sizeof(half) == 2, "half must be 2 bytes like Metal's");
 
 // Metal's bfloat (MSL 3.1): the top 16 bits of an IEEE float; conversion from float rounds to
 // nearest even, NaN stays NaN. Arithmetic runs in float and rounds once, like the GPU.
@@ -60,12 +101,17 @@ struct bfloat {
 };
 static_assert(sizeof(bfloat) == 2, "bfloat must be 2 bytes like Metal's");
 
-// bfloat op bfloat -> bfloat. Templates, so that bfloat op float is the builtin float operation
-// (Metal promotes the same way) instead of an ambiguous overload.
+// bfloat op bfloat -> bfloat (and the software half alike). Templates, so that bfloat op float is
+// the builtin float operation (Metal promotes the same way) instead of an ambiguous overload.
+template <typename T> struct metal_emu_soft_float : std::false_type {};
+template <> struct metal_emu_soft_float<bfloat> : std::true_type {};
+#ifdef METAL_EMU_HALF_IS_STRUCT
+template <> struct metal_emu_soft_float<half> : std::true_type {};
+#endif
 #define METAL_EMU_BF_OP(OP)                                                                   \
-  template <typename B, typename = std::enable_if_t<std::is_same<B, bfloat>::value>>         \
+  template <typename B, typename = std::enable_if_t<metal_emu_soft_float<B>::value>>         \
   inline B operator OP(B a, B b) { return B(float(a) OP float(b)); }                         \
-  template <typename B, typename = std::enable_if_t<std::is_same<B, bfloat>::value>>         \
+  template <typename B, typename = std::enable_if_t<metal_emu_soft_float<B>::value>>         \
   inline B& operator OP##=(B& a, B b) { return a = B(float(a) OP float(b)); }
 METAL_EMU_BF_OP(+)
 METAL_EMU_BF_OP(-)
@@ -82,7 +128,13 @@ namespace metal {
 template <typename T, int N>
 struct vec;
 
+// Copies go member by member (not the implicit memcpy): clang's UBSan checks the alignment of
+// member accesses, not of trivial aggregate copies, so a misaligned vector load or store through a
+// reinterpreted device pointer is reported by clang as by g++.
 #define METAL_EMU_VEC_OPS(N)                                                                   \
+  vec(const vec& o) { for (int i = 0; i < N; ++i) (*this)[i] = o.at(i); }                     \
+  vec& operator=(const vec& o) { for (int i = 0; i < N; ++i) (*this)[i] = o.at(i); return *this; } \
+  T at(int i) const { return (&x)[i]; }                                                        \
   T& operator[](int i) { return (&x)[i]; }                                                    \
   const T& operator[](int i) const { return (&x)[i]; }                                        \
   friend vec operator+(vec a, const vec& b) { for (int i = 0; i < N; ++i) a[i] = a[i] + b[i]; return a; } \
