@@ -1,9 +1,11 @@
-"""Which mlx-lm 0.32.2 architectures get the fused kernel, per layer configuration.
+"""Which mlx-lm 0.32.2 architectures get the fused kernel, per layer configuration, and how the slot
+engine runs each one.
 
     python -m registry.integrations.coverage > docs/coverage.md
 
-Tiny configs with random weights (no downloads); tests/test_integration_mlx_lm.py checks that the
-committed docs/coverage.md equals this command's output.
+Tiny configs with random weights (no downloads), evaluated on the CPU so that the table does not
+depend on the machine; tests/test_integration_mlx_lm.py checks that the committed docs/coverage.md
+equals this command's output.
 """
 
 from __future__ import annotations
@@ -15,15 +17,18 @@ import sys
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, max_position_embeddings=4096)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+         "beta_slow": 1}
 
+# Architectures the issue names first, then every other one that builds from a small config.
 ARCHS: dict[str, dict] = {
     "llama": dict(TINY, model_type="llama", rope_theta=10000.0),
     "llama (llama3)": dict(TINY, model_type="llama", rope_theta=500000.0,
                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "llama (yarn)": dict(TINY, model_type="llama", rope_theta=10000.0,
-                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.0}),
+                         rope_scaling=dict(_YARN, mscale=1.0, mscale_all_dim=0.0)),
     "llama (linear)": dict(TINY, model_type="llama", rope_theta=10000.0,
                            rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "llama (dynamic)": dict(TINY, model_type="llama", rope_theta=10000.0,
@@ -58,16 +63,85 @@ ARCHS: dict[str, dict] = {
     "deepseek_v3 (MLA)": dict(TINY, model_type="deepseek_v3", kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
                               qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
                               num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                              rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+                              rope_scaling=dict(_YARN, type="yarn", mscale=1.0, mscale_all_dim=1.0)),
+    # --- others that build cleanly
+    "cohere": dict(TINY, model_type="cohere", head_dim=16, layer_norm_eps=1e-5),
+    "cohere2 (sliding, NoPE global)": dict(TINY, model_type="cohere2", num_hidden_layers=4, head_dim=16,
+                                           sliding_window=8, sliding_window_pattern=2, layer_norm_eps=1e-5),
+    "exaone4 (sliding, NoPE global)": dict(TINY, model_type="exaone4", num_hidden_layers=4, head_dim=16,
+                                           rope_theta=10000.0, tie_word_embeddings=False, rope_scaling=None,
+                                           sliding_window=8, sliding_window_pattern="LLLG"),
+    "smollm3 (NoPE layers)": dict(TINY, model_type="smollm3", num_hidden_layers=4, rope_theta=10000.0),
+    "olmo3 (sliding)": dict(TINY, model_type="olmo3", num_hidden_layers=4, sliding_window=8, rope_theta=10000.0,
+                            rope_scaling=dict(_YARN, attention_factor=1.0)),
+    "gpt_oss (sinks, sliding)": dict(TINY, model_type="gpt_oss", head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=8, rope_theta=10000,
+                                     rope_scaling=_YARN),
+    "ministral3 (position-scaled q)": dict(TINY, model_type="ministral3", head_dim=16, tie_word_embeddings=False,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "llama_4_scaling_beta": 0.5,
+                                                            "original_max_position_embeddings": 4}),
+    "mixtral (MoE)": dict(TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
+    "qwen2_moe": dict(TINY, **_MOE, model_type="qwen2_moe", shared_expert_intermediate_size=32, rope_theta=1e6),
+    "qwen3_moe": dict(TINY, **_MOE, model_type="qwen3_moe", head_dim=16, decoder_sparse_step=1, mlp_only_layers=[],
+                      rope_theta=1e6, tie_word_embeddings=False, norm_topk_prob=True),
+    "olmoe": dict(TINY, **_MOE, model_type="olmoe", rope_theta=10000.0),
+    "phimoe": dict(TINY, model_type="phimoe", num_local_experts=4, num_experts_per_tok=2, rope_theta=10000.0),
+    "internlm2": dict(TINY, model_type="internlm2", rope_theta=10000.0),
+    "internlm3": dict(TINY, model_type="internlm3", head_dim=16, rope_theta=10000.0),
+    "granite": dict(TINY, model_type="granite", logits_scaling=2.0, attention_multiplier=0.25,
+                    embedding_multiplier=2.0, residual_multiplier=0.5, attention_bias=False, mlp_bias=False,
+                    rope_theta=10000.0),
+    "minicpm": dict(TINY, model_type="minicpm", dim_model_base=32, scale_depth=1.4, scale_emb=2.0,
+                    rope_theta=10000.0),
+    "exaone": dict(TINY, model_type="exaone", num_layers=2, layer_norm_epsilon=1e-5, rope_theta=10000.0),
+    "apertus": dict(TINY, model_type="apertus", mlp_bias=False, attention_bias=False, rope_theta=10000.0,
+                    post_norm=False, qk_norm=True, tie_word_embeddings=False),
+    "helium": dict(TINY, model_type="helium", head_dim=16, attention_bias=False, mlp_bias=False,
+                   rope_theta=10000.0, tie_word_embeddings=False),
+    "ernie4_5": dict(TINY, model_type="ernie4_5", head_dim=16, rope_theta=10000.0, use_bias=False,
+                     tie_word_embeddings=False),
+    "glm": dict(TINY, model_type="glm", head_dim=16),
+    "mimo": dict(TINY, model_type="mimo", rope_theta=10000.0),
+    "seed_oss": dict(TINY, model_type="seed_oss", head_dim=16, rope_theta=10000.0),
+    "nemotron (partial)": dict(TINY, model_type="nemotron", hidden_act="relu2", norm_eps=1e-5,
+                               partial_rotary_factor=0.5, rope_theta=10000.0),
+    "telechat3": dict(TINY, model_type="telechat3", rope_theta=10000.0),
+    "hunyuan_v1_dense (q/k norm after RoPE)": dict(TINY, model_type="hunyuan_v1_dense", use_qk_norm=True,
+                                                    rope_theta=10000.0),
+    "gptj (rotated slice)": dict(model_type="gptj", n_embd=64, n_head=4, n_layer=2, n_positions=4096,
+                                 rotary_dim=8, vocab_size=256, layer_norm_epsilon=1e-5),
+    "nanochat (function RoPE)": dict(TINY, model_type="nanochat", num_key_value_heads=4),
+    "lfm2 (hybrid conv)": dict(TINY, model_type="lfm2", num_hidden_layers=4, norm_eps=1e-5, conv_bias=False,
+                               conv_L_cache=3, block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                               block_auto_adjust_ff_dim=False, rope_theta=10000.0,
+                               layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "falcon_h1 (parallel SSM)": dict(TINY, model_type="falcon_h1", head_dim=16, mamba_d_conv=4, mamba_d_head=16,
+                                     mamba_d_ssm=64, mamba_d_state=16, mamba_n_heads=4, mamba_chunk_size=8,
+                                     rope_theta=10000.0),
 }
 
 
-def coverage_rows() -> list[tuple[str, str, str, str, str, str]]:
-    """(architecture, layers, attention class, heads/kv/head_dim, rope, selection) per layer config."""
+def arch_vocab(cfg: dict) -> int:
+    return cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
+
+
+def _engine_column(plan, batch_reason: str) -> str:
+    if plan.path == "fused":
+        text = "fused"
+    elif plan.path == "reference":
+        text = f"reference path ({plan.reason})"
+    else:
+        text = f"module rope + pool scatter ({plan.reason})"
+    return text + (f"; decode one request at a time ({batch_reason})" if batch_reason else "")
+
+
+def coverage_rows() -> list[tuple[str, ...]]:
+    """(architecture, layers, attention, heads/kv/head_dim, rope, registry, slot engine) per layer config."""
     import mlx.core as mx
 
-    from .mlx_lm import build_kernel_sets, build_model
+    from .mlx_lm import build_kernel_sets, build_model, ranges
+    from .slot_engine import SlotEngine, UnsupportedModelError
 
     rows = []
     for name, cfg in ARCHS.items():
@@ -76,32 +150,68 @@ def coverage_rows() -> list[tuple[str, str, str, str, str, str]]:
             model = build_model(cfg)
             kernels = build_kernel_sets(model, dtype=mx.bfloat16)
         except Exception as e:  # an architecture that does not build is reported, not hidden
-            rows.append((name, "-", "-", "-", "-", f"does not build: {type(e).__name__}: {e}"))
+            rows.append((name, "-", "-", "-", "-", f"does not build: {type(e).__name__}: {e}", "-"))
             continue
+        try:
+            engine = SlotEngine(model, kernels=kernels)
+            unsupported = None
+        except UnsupportedModelError as e:
+            engine, unsupported = None, str(e)
         for c in kernels.configs:
-            ks = c.kernel_set
-            selection = ("selected" if ks.rope is not None
-                         else f"rejected: {ks.rejections.get('rope_pool_fused', 'not selected')}")
-            from .mlx_lm import _ranges
-            rows.append((name, _ranges(c.layers), c.attention_class, f"{c.n_heads}/{c.n_kv_heads}/{c.head_dim}",
-                         c.rope_desc.replace("|", "/"), selection.replace("|", "/")))
+            dims = f"{c.n_heads}/{c.n_kv_heads}/{c.head_dim}" + (f" (v {c.v_head_dim})" if c.v_head_dim != c.head_dim
+                                                                   else "")
+            if c.applies_rope is False:
+                registry = "not applicable: the layer applies no RoPE (NoPE)"
+            elif c.kernel_set.rope is None:
+                registry = f"rejected: {c.kernel_set.rejections.get('rope_pool_fused', 'not selected')}"
+            else:
+                registry = "selected"
+            if engine is None:
+                eng = "not supported: " + unsupported.split(": ", 1)[1]
+            else:
+                eng = _engine_column(engine.plans[c.layers[0]], engine.batch_reason)
+            rows.append((name, ranges(c.layers), c.label, dims, c.rope_desc, registry, eng))
         if kernels.non_attention_layers:
-            from .mlx_lm import _ranges
-            rows.append((name, _ranges(kernels.non_attention_layers), "(no attention)", "-", "-",
-                         "not applicable (linear attention / recurrent state)"))
-    return rows
+            kinds = ", ".join(sorted(set(kernels.non_attention_caches.values())))
+            rows.append((name, ranges(kernels.non_attention_layers), f"(no KV attention: {kinds})", "-", "-",
+                         "not applicable", "the model's own per-request state"))
+    return [tuple(cell.replace("|", "/") for cell in row) for row in rows]
+
+
+HEADER = """# Kernel coverage over mlx-lm 0.32.2 architectures
+
+Generated by `python -m registry.integrations.coverage > docs/coverage.md`; do not edit by hand
+(tests/test_integration_mlx_lm.py fails when this file differs from the command's output).
+
+Tiny configs (hidden 64, 2-4 layers, vocab 256), random weights, bf16, default environment, selection
+evaluated for the CPU backend (CUDA selects the same; on Metal the manifest's `prefer` rejects the
+kernel until a benchmark shows a win). One row per distinct attention configuration of a model:
+same attention class, heads, head_dim, RoPE, sliding window, and traced behaviour. The attention
+columns come from tracing one short forward (registry/integrations/mlx_lm.py): heads and head_dim
+are read off the q/k/v arrays, NoPE layers are those that never call their rope, and layers whose
+attention reads q or k between RoPE and the cache write cannot be fused by an engine that drives
+the model's own attention code.
+
+- **rope_pool_fused**: the registry's decision (kernels.yaml) for the layer's attention module.
+- **slot engine**: what `registry.integrations.slot_engine.SlotEngine` runs for those layers
+  (docs/engine.md): `fused` (one kernel call: q/k RoPE + both pool writes), `reference path`
+  (registry.rope_pool_fused_reference), or the module's own rope and a plain pool scatter.
+
+| architecture | layers | attention | heads/kv/head_dim | RoPE (normalised) | rope_pool_fused | slot engine |
+|---|---|---|---|---|---|---|
+"""
 
 
 def render() -> str:
-    lines = ["# Kernel coverage over mlx-lm 0.32.2 architectures", "",
-             "Generated by `python -m registry.integrations.coverage > docs/coverage.md` (tiny configs, random",
-             "weights, bf16, default env; backend-independent except where a row says otherwise).",
-             "One row per distinct attention configuration of a model.", "",
-             "| architecture | layers | attention | heads/kv/head_dim | RoPE (normalised) | rope_pool_fused |",
-             "|---|---|---|---|---|---|"]
-    for row in coverage_rows():
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
+    import mlx.core as mx
+
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        rows = coverage_rows()
+    finally:
+        mx.set_default_device(previous)
+    return HEADER + "".join("| " + " | ".join(row) + " |\n" for row in rows)
 
 
 def main() -> int:

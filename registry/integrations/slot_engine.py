@@ -1,101 +1,130 @@
 """A small slot-pool decode engine over unmodified mlx-lm models (docs/engine.md).
 
-Per attention layer: K/V pools [S, Hkv, D]. Each request owns a list of pool slots (one per token);
-prefill writes its prompt's K/V into fresh slots, every decode step batches the requests (different
-lengths, their own positions) and writes one slot each. Attention reads each request's slots.
+Per attention layer: K/V pools [S, Hkv, D]. Each request owns a list of pool slots, one per token;
+prefill writes its prompt's K/V into fresh slots, every decode step batches the running requests
+(different lengths, their own positions) and writes one slot each; attention reads each request's
+slots through a padded slot table with a causal / sliding-window / padding mask. Finished requests
+give their slots back; new requests join at the next step (continuous batching).
 
-How the model's own attention code is driven (no model code is copied or patched):
-  - the layer's `rope` is swapped for a hook that returns q and k unchanged and remembers q;
-  - the layer's cache is a PoolCache whose update_and_fetch(k, v) runs the kernel set's `rope`
-    (one fused call: q and k rotation + both pool stores), rebinds the attention's `queries` to
-    the rotated q (`q[...] = q_rot`, which MLX applies to that very array object), and returns the
-    request's K/V gathered from the pools; make_mask gives the matching causal/window/padding mask.
-  - Layers whose RoPE cannot be fused run the module's own rope and a plain scatter into the pools.
+The model's own code runs everything (embeddings, norms, projections, q/k norms, gates, soft-caps,
+MLP, head); only the attention's rope, cache write and cache read are the engine's. Per layer:
+  - fused:     the kernel set's `rope`, one call: q and k rotation plus both pool stores
+               (the q/k capture of `_capture.py`);
+  - reference: registry.rope_pool_fused_reference, the same single call in pure MLX, where the
+               kernel is not selected but the RoPE is expressible (or mode="reference");
+  - module:    the module's own rope at per-request positions, then a plain scatter into the pools,
+               where the RoPE cannot be fused (DynamicNTKScalingRoPE), the attention's data flow does
+               not allow it (q/k normed after RoPE), the layer applies no RoPE, or mode="module".
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
-from .mlx_lm import ModelKernels, attention_dims, attention_of, build_kernel_sets, model_layers
+from ..errors import MlxAotError
+from ..kernels.rope_pool_fused import rope_pool_fused_reference
+from ._capture import DataflowError, RopeCapture, resolve
+from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, kv_cache_path,
+                     make_own_cache, ranges, rope_attr)
+
+MODES = ("fused", "reference", "module")
+
+
+class UnsupportedModelError(MlxAotError, ValueError):
+    """The slot engine cannot run this model; the message names the layers and the reason."""
+
+
+class EngineError(MlxAotError, RuntimeError):
+    """A request or step cannot proceed (pool exhausted, bad token ids, attention contract broken)."""
+
+
+# Attention code that computes scores itself instead of mlx-lm's scaled_dot_product_attention
+# broadcasts the mask its own way; batched masks need its layout. gemma2 reshapes q to
+# [B, Hkv, repeats, L, D] when repeats > 1, so its scores are 5-D.
+_MANUAL_MASK_RANK: dict[tuple[str, str], Callable[[Any], int]] = {
+    ("mlx_lm.models.gemma2", "Attention"): lambda attn: 5 if getattr(attn, "repeats", 1) > 1 else 4,
+}
 
 
 @dataclass
-class StepContext:
-    """What every layer needs for one forward: the new tokens' positions and slots (token-major,
-    request by request), and each request's context slots for attention."""
+class LayerPlan:
+    layer: int
+    path: str                          # 'fused' | 'reference' | 'module'
+    reason: str                        # why this path (and, for fused, what runs)
+    call: Callable | None              # (q, k, v, positions, slots, k_pool, v_pool) -> 4-tuple
+    window: int | None
+
+
+@dataclass
+class Step:
+    """What every layer needs for one forward: new tokens' positions and slots (token-major,
+    request by request) and each request's context slots."""
     batch: int
-    length: int                       # new tokens per request in this step
+    length: int
+    offsets: list[int]
     positions: mx.array               # int32 [batch * length]
     slots: mx.array                   # int32 [batch * length]
-    offsets: list[int]                # tokens already cached per request
     table: mx.array                   # int32 [batch, ctx]: slots to attend (padded)
     key_pos: mx.array                 # int32 [batch, ctx]: position of each context slot (-1: padding)
     query_pos: mx.array               # int32 [batch, length]
 
 
-class RopeHook:
-    """Stands in for an attention module's rope during engine forwards."""
+class ModuleRope:
+    """The module's own rope at the engine's per-request positions (module path)."""
 
-    def __init__(self, rope: Any, fused: bool):
-        self.rope = rope
-        self.fused = fused
-        self.ctx: StepContext | None = None
-        self.pending_q: mx.array | None = None
-        self.calls = 0
+    def __init__(self, engine: "SlotEngine", rope: Any):
+        self.engine, self.rope = engine, rope
 
-    def __call__(self, x: mx.array, offset: Any = 0, **kw) -> mx.array:
-        self.calls += 1
-        if self.fused:
-            if self.calls % 2 == 1:
-                self.pending_q = x        # rotated later, in PoolCache.update_and_fetch, with k
-            return x
-        return self._module_rope(x)
-
-    def _module_rope(self, x: mx.array) -> mx.array:
-        """The module's own rope at per-request offsets (its classes accept an int or a [B] offset;
-        DynamicNTKScalingRoPE only an int, hence the per-request fallback)."""
-        offsets = self.ctx.offsets
-        if len(set(offsets)) == 1:
-            return self.rope(x, offset=offsets[0])
-        try:
-            return self.rope(x, offset=mx.array(offsets, dtype=mx.int32))
-        except (ValueError, TypeError):
-            return mx.concatenate([self.rope(x[b:b + 1], offset=o) for b, o in enumerate(offsets)], axis=0)
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        kwargs.pop("offset", None)        # the engine's positions, not the attention's idea of them
+        args = args[1:] if args else args
+        offsets = self.engine.step_ctx.offsets
+        if len(offsets) == 1 or len(set(offsets)) == 1:
+            return self.rope(x, *args, offset=offsets[0], **kwargs)
+        try:                               # mlx-lm's rope classes take a [B] offset ...
+            return self.rope(x, *args, offset=mx.array(offsets, dtype=mx.int32), **kwargs)
+        except (ValueError, TypeError):   # ... except DynamicNTKScalingRoPE (base from the length)
+            return mx.concatenate([self.rope(x[b:b + 1], *args, offset=o, **kwargs)
+                                   for b, o in enumerate(offsets)], axis=0)
 
 
 class PoolCache:
-    """The cache object a layer sees during engine forwards."""
+    """The cache object an attention layer sees during engine forwards."""
 
-    def __init__(self, engine: "SlotEngine", layer: int, hook: RopeHook, kernel, n_kv: int, head_dim: int,
-                 pool_size: int, dtype):
+    def __init__(self, engine: "SlotEngine", plan: LayerPlan, hook: Any, pool_size: int):
         self.engine = engine
-        self.layer = layer
-        self.hook = hook
-        self.kernel = kernel                       # kernel_set.rope, or None for the unfused path
-        self.k_pool = mx.zeros((pool_size, n_kv, head_dim), dtype=dtype)
-        self.v_pool = mx.zeros((pool_size, n_kv, head_dim), dtype=dtype)
+        self.plan = plan
+        self.hook = hook                  # RopeCapture (fused/reference) or ModuleRope
+        self.pool_size = pool_size
+        self.window = plan.window
+        self.k_pool: mx.array | None = None   # allocated at the first write, in the layer's dtype
+        self.v_pool: mx.array | None = None
 
     @property
-    def offset(self) -> int:
-        return max(self.engine.ctx.offsets)
+    def offset(self):
+        """Tokens already cached: an int for one request, a [B] array for a batch (as mlx-lm's
+        BatchKVCache), for attention code that uses the offset beyond its rope."""
+        offsets = self.engine.step_ctx.offsets
+        return offsets[0] if len(offsets) == 1 else mx.array(offsets, dtype=mx.int32)
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False, **_):
-        ctx = self.engine.ctx
+        ctx = self.engine.step_ctx
         q = ctx.query_pos[:, :, None]             # [B, L, 1]
         k = ctx.key_pos[:, None, :]               # [B, 1, ctx]
         mask = (k >= 0) & (k <= q)
-        if window_size is not None:
-            mask = mask & (k > q - window_size)
-        # One request: [L, ctx], the shape mlx-lm's own masks have (attention code that reshapes its
-        # scores relies on it). Batches: [B, 1, L, ctx] for mx.fast.scaled_dot_product_attention.
-        return mask[0] if ctx.batch == 1 else mask[:, None]
+        window = window_size or self.window       # RotatingKVCache.make_mask falls back to max_size too
+        if window:
+            mask = mask & (k > q - window)
+        if ctx.batch == 1:                        # [L, ctx], the shape of mlx-lm's own masks
+            return mask[0]
+        return mask[:, None, None] if self.engine.mask_rank == 5 else mask[:, None]
 
     @staticmethod
     def _tokens(x: mx.array) -> mx.array:         # [B, H, L, D] -> [B*L, H, D]
@@ -103,20 +132,30 @@ class PoolCache:
         return x.transpose(0, 2, 1, 3).reshape(B * L, H, D)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        ctx = self.engine.ctx
-        B, _, L, D = keys.shape
-        k_tok, v_tok = self._tokens(keys), self._tokens(values)
-        if self.kernel is not None:
-            queries = self.hook.pending_q
-            q_rot, _, self.k_pool, self.v_pool = self.kernel(
-                self._tokens(queries), k_tok, v_tok, ctx.positions, ctx.slots, self.k_pool, self.v_pool,
-                check_slots=False)                 # the engine validated the slots once for the step
-            Hq = queries.shape[1]
-            queries[...] = q_rot.reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
-            self.hook.pending_q = None
-        else:                                      # keys were rotated by the module's own rope
-            self.k_pool[ctx.slots] = k_tok
-            self.v_pool[ctx.slots] = v_tok
+        ctx = self.engine.step_ctx
+        B, Hkv, L, Dk = keys.shape
+        if self.k_pool is None:
+            self.k_pool = mx.zeros((self.pool_size, Hkv, Dk), dtype=keys.dtype)
+            self.v_pool = mx.zeros((self.pool_size, values.shape[1], values.shape[3]), dtype=values.dtype)
+        if self.plan.call is not None:
+            try:
+                q_call, k_call = self.hook.split(keys, values)
+            except DataflowError as e:             # the trace said it would not: data-dependent code path
+                raise EngineError(f"layer {self.plan.layer}: {e}; the model trace did not show this "
+                                  f"(construct the engine with mode='module')") from None
+            self.hook.reset()
+            q = q_call.x
+            Hq, D = q.shape[1], q.shape[3]
+            q_rot, k_rot, self.k_pool, self.v_pool = self.plan.call(
+                self._tokens(q), self._tokens(k_call.x), self._tokens(values), ctx.positions, ctx.slots,
+                self.k_pool, self.v_pool)
+            resolve(q_call, q_rot.reshape(B, L, Hq, D).transpose(0, 2, 1, 3))
+            # Free unless the attention reads its own rotated keys after the write.
+            resolve(k_call, k_rot.reshape(B, L, Hkv, D).transpose(0, 2, 1, 3))
+        else:                                      # keys were rotated (or not) by the module itself
+            self.k_pool[ctx.slots] = self._tokens(keys)
+            self.v_pool[ctx.slots] = self._tokens(values)
+        self.engine.calls[self.plan.path] += 1
         kk = self.k_pool[ctx.table].transpose(0, 2, 1, 3)   # [B, Hkv, ctx, D]
         vv = self.v_pool[ctx.table].transpose(0, 2, 1, 3)
         return kk, vv
@@ -125,81 +164,207 @@ class PoolCache:
 @dataclass
 class Request:
     rid: int
-    tokens: list[int]
+    prompt: list[int]
+    max_new_tokens: int
     slots: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
+    state: list | None = None          # the model's own per-request caches (recurrent layers)
+    logits: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.max_new_tokens
 
 
 class SlotEngine:
-    """Greedy generation for several requests through per-layer slot pools."""
+    """Greedy generation for several requests through per-layer slot pools.
 
-    def __init__(self, model, *, pool_size: int = 4096, kernels: ModelKernels | None = None, use_fused: bool = True):
+    mode: 'fused' (default: the kernel set's rope where selected, else the reference path, else the
+    module's rope), 'reference' (rope_pool_fused_reference wherever the RoPE is expressible), or
+    'module' (the model's own rope and a plain pool scatter everywhere: the baseline).
+    """
+
+    def __init__(self, model, *, pool_size: int = 4096, mode: str = "fused", kernels: ModelKernels | None = None,
+                 record_logits: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"SlotEngine: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if not isinstance(pool_size, int) or pool_size < 1:
+            raise ValueError(f"SlotEngine: pool_size must be a positive int, got {pool_size!r}")
         self.model = model
-        self.kernels = kernels or build_kernel_sets(model)
-        layers = model_layers(model)
-        self.dtype = self._compute_dtype(model)
+        self.mode = mode
         self.pool_size = pool_size
+        self.record_logits = record_logits
+        attn_layers, others, own = find_attention_layers(model)
+        self.kernels = kernels if kernels is not None else build_kernel_sets(model)
+        if not self.kernels.traced and mode != "module":
+            raise ValueError("SlotEngine: fused/reference modes need traced kernel sets "
+                             "(build_kernel_sets(model, trace=True))")
+        self._check_supported(attn_layers)
+        self.attn_layers = attn_layers
+        self.own_template = own                  # structure of the model's cache list
+        self.kv_paths = {i: kv_cache_path(own[i]) for i in attn_layers}
+        self.plans: dict[int, LayerPlan] = {i: self._plan(i) for i in attn_layers}
+        self.hooks: dict[int, tuple[Any, str, Any]] = {}
+        self.pools: dict[int, PoolCache] = {}
+        for i, attn in attn_layers.items():
+            plan = self.plans[i]
+            attr = rope_attr(attn)
+            rope = getattr(attn, attr) if attr else None
+            hook = RopeCapture(rope) if plan.call is not None else (ModuleRope(self, rope) if rope is not None else None)
+            if hook is not None:
+                self.hooks[i] = (attn, attr, hook)
+            self.pools[i] = PoolCache(self, plan, hook, pool_size)
+        # Layers whose own caches hold per-request state (recurrent layers, or the state half of a
+        # falcon_h1-style CacheList): each request gets its own, batched by merging along B.
+        self.stateful = [i for i, e in enumerate(own) if _has_state(e)]
+        self.mask_rank, self.batch_reason = self._batching(attn_layers, own)
         self.free = list(range(pool_size - 1, -1, -1))
         self.requests: dict[int, Request] = {}
-        self.ctx: StepContext | None = None
-        own = model.make_cache() if hasattr(model, "make_cache") else [None] * len(layers)
-        self._own_per_request: dict[int, list] = {}
-        self.caches: list[Any] = []
-        self.hooks: list[tuple[Any, RopeHook]] = []
-        for i, layer in enumerate(layers):
-            attn = attention_of(layer)
-            if attn is None:
-                self.caches.append(own[i])         # e.g. a hybrid model's linear-attention state
-                continue
-            kset = self.kernels.by_layer.get(i)
-            kernel = kset.rope if (kset is not None and use_fused) else None
-            rope_attr = "rope" if hasattr(attn, "rope") else "rotary_emb"
-            hook = RopeHook(getattr(attn, rope_attr), fused=kernel is not None)
-            self.hooks.append((attn, hook, rope_attr))
-            _, n_kv, head_dim = attention_dims(attn)
-            self.caches.append(PoolCache(self, i, hook, kernel, n_kv, head_dim, pool_size, self.dtype))
-        self.hybrid = any(c is not None and not isinstance(c, PoolCache) for c in self.caches)
-        # Attention code that does not go through mlx-lm's scaled_dot_product_attention (gemma2's
-        # soft-capped attention) shapes masks its own way: step such models one request at a time.
-        manual = [type(a).__name__ for a, _, _ in self.hooks
-                  if not hasattr(sys.modules.get(type(a).__module__), "scaled_dot_product_attention")]
-        self.per_request = self.hybrid or bool(manual)
+        self.waiting: list[int] = []
+        self.running: list[int] = []
+        self._next_rid = 0
+        self.step_ctx: Step | None = None
+        self.calls: Counter = Counter()
+        self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0,
+                       "decode_steps": 0}
+        self.vocab_size = _vocab_size(model)
 
-    @staticmethod
-    def _compute_dtype(model):
-        from mlx.utils import tree_flatten
-        for _, v in tree_flatten(model.parameters()):
-            if v.dtype in (mx.float16, mx.bfloat16, mx.float32):
-                return v.dtype
-        return mx.float32
+    # --------------------------------------------------------------------- setup
+
+    def _check_supported(self, attn_layers: dict[int, Any]) -> None:
+        problems = []
+        for c in self.kernels.configs:
+            where = f"layers {ranges(c.layers)} ({c.attention_class})"
+            if c.kernel_set.context.attention == "mla":
+                problems.append(f"{where}: MLA attention caches a compressed latent, not per-head K/V; the "
+                                f"slot engine's pools are [S, n_kv_heads, head_dim]: not supported by the slot engine")
+            elif c.cache_error:
+                problems.append(f"{where}: {c.cache_error}: not supported by the slot engine")
+        if problems:
+            raise UnsupportedModelError(f"{type(self.model).__name__}: " + "; ".join(problems))
+
+    def _plan(self, i: int) -> LayerPlan:
+        c = self.kernels.config_of[i]
+        ks, ctx = c.kernel_set, c.kernel_set.context
+        window = c.window
+        if self.mode == "module":
+            return LayerPlan(i, "module", "mode='module': the model's own rope and a plain pool scatter", None, window)
+        if c.applies_rope is False:
+            return LayerPlan(i, "module", "the layer applies no RoPE: plain pool scatter", None, window)
+        if c.dataflow_error:
+            return LayerPlan(i, "module", c.dataflow_error, None, window)
+        if self.mode == "fused" and ks.rope is not None:
+            kernel = ks.rope
+            call = (lambda q, k, v, p, s, kp, vp, _k=kernel: _k(q, k, v, p, s, kp, vp, check_slots=False))
+            return LayerPlan(i, "fused", f"{kernel.implementation}" + (f" ({kernel.reason})" if kernel.reason else ""),
+                             call, window)
+        if ctx.rope is not None and ctx.attention == "mha":
+            cfg = ctx.rope
+            call = (lambda q, k, v, p, s, kp, vp, _c=cfg: rope_pool_fused_reference(q, k, v, p, s, kp, vp, rope=_c))
+            why = ("mode='reference'" if self.mode == "reference"
+                   else f"kernel not selected: {ks.rejections.get('rope_pool_fused', '?')}")
+            return LayerPlan(i, "reference", why, call, window)
+        return LayerPlan(i, "module", ctx.rope_error or "RoPE not expressible", None, window)
+
+    def _batching(self, attn_layers: dict[int, Any], own: list) -> tuple[int, str]:
+        """(mask rank for batched decode, reason decode runs one request at a time or "")."""
+        for i in self.stateful:
+            if not _mergeable(own[i]):
+                return 4, f"layer {i}'s own cache ({type(own[i]).__name__}) cannot be batched"
+        ranks = set()
+        for i, attn in attn_layers.items():
+            mod = type(attn).__module__
+            if hasattr(sys.modules.get(mod), "scaled_dot_product_attention"):
+                ranks.add(4)
+                continue
+            rank = _MANUAL_MASK_RANK.get((mod, type(attn).__name__))
+            if rank is None:
+                return 4, (f"layer {i}'s {type(attn).__name__} computes attention itself; its batched mask "
+                           f"layout is unknown")
+            ranks.add(rank(attn))
+        if len(ranks) > 1:
+            return 4, "attention layers need different batched mask layouts"
+        return (ranks.pop() if ranks else 4), ""
+
+    def explain(self) -> str:
+        lines = [f"slot engine: mode={self.mode}, pool {self.pool_size} slots per layer, decode "
+                 + ("batched" if not self.batch_reason else f"one request at a time ({self.batch_reason})")]
+        groups: dict[tuple, list[int]] = {}
+        for i, p in self.plans.items():
+            groups.setdefault((type(self.attn_layers[i]).__name__, p.path, p.reason, p.window), []).append(i)
+        for (cls, path, reason, window), layers in groups.items():
+            what = {"fused": "rope_pool_fused", "reference": "rope_pool_fused_reference (pure MLX)",
+                    "module": "module rope + pool scatter"}[path]
+            lines.append(f"  layers {ranges(layers)} ({cls}{f', window {window}' if window else ''}): "
+                         f"{path}: {what} [{reason}]")
+        if self.stateful:
+            kinds = sorted({type(self.own_template[i]).__name__ for i in self.stateful})
+            lines.append(f"  layers {ranges(self.stateful)}: model's own per-request state ({', '.join(kinds)})")
+        return "\n".join(lines)
 
     # --------------------------------------------------------------------- requests and slots
 
-    def add_request(self, tokens: list[int]) -> int:
-        if not tokens:
-            raise ValueError("add_request: a prompt needs at least one token")
-        rid = len(self.requests)
-        self.requests[rid] = Request(rid, list(tokens))
+    def add_request(self, prompt: list[int], max_new_tokens: int) -> int:
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise EngineError("add_request: prompt must be a non-empty list of token ids")
+        bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or t < 0
+               or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise EngineError(f"add_request: token ids {bad[:5]} out of range [0, {self.vocab_size})")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise EngineError(f"add_request: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        need = len(prompt) + max_new_tokens - 1
+        if need > self.pool_size:
+            raise EngineError(f"add_request: the request needs {need} slots, the pool has {self.pool_size}")
+        rid = self._next_rid
+        self._next_rid += 1
+        self.requests[rid] = Request(rid, [int(t) for t in prompt], max_new_tokens)
+        self.waiting.append(rid)
         return rid
 
     def _take_slots(self, n: int) -> list[int]:
         if n > len(self.free):
-            raise RuntimeError(f"slot pool exhausted: need {n} slots, {len(self.free)} free of {self.pool_size}; "
-                               f"raise pool_size or finish requests")
+            raise EngineError(f"slot pool exhausted: need {n} slots, {len(self.free)} free of {self.pool_size}; "
+                              f"raise pool_size or admit fewer requests")
         return [self.free.pop() for _ in range(n)]
 
     def release(self, rid: int) -> None:
-        self.free.extend(reversed(self.requests[rid].slots))
-        self.requests[rid].slots = []
+        """Give a request's slots back and drop its state (finished requests are released by step)."""
+        r = self.requests.get(rid)
+        if r is None:
+            raise EngineError(f"release: no request {rid}")
+        self.free.extend(reversed(r.slots))
+        r.slots, r.state = [], None
+        for q in (self.waiting, self.running):
+            if rid in q:
+                q.remove(rid)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self.free)
 
     # --------------------------------------------------------------------- forward
 
+    def _assemble(self, template, path, layer: int, states: list):
+        """The cache entry for `layer`: the engine's PoolCache at the KV position, each request's own
+        state (merged into one batch when several) elsewhere."""
+        if path == ():
+            return self.pools[layer]
+        if path is None:
+            return states[0] if len(states) == 1 else _merge(states)
+        subs = [self._assemble(t, path[1:] if j == path[0] else None, layer, [s.caches[j] for s in states])
+                for j, t in enumerate(template.caches)]
+        return type(template)(*subs)
+
     def _forward(self, reqs: list[Request], new_tokens: list[list[int]]) -> mx.array:
-        """Run the model on `new_tokens` (same count per request) for `reqs`; returns last logits [B, V]."""
+        """Run the model on `new_tokens` (same count per request); returns the last logits [B, V]."""
         B, L = len(reqs), len(new_tokens[0])
         offsets = [len(r.slots) for r in reqs]
-        new_slots = [self._take_slots(L) for _ in reqs]
-        for r, s in zip(reqs, new_slots):
+        new_slots = self._take_slots(B * L)
+        per_req = [new_slots[b * L:(b + 1) * L] for b in range(B)]
+        saved = [(r, list(r.slots)) for r in reqs]
+        snap = [_snapshot(r.state) for r in reqs]
+        for r, s in zip(reqs, per_req):
             r.slots.extend(s)
         ctx_len = max(len(r.slots) for r in reqs)
         table = np.zeros((B, ctx_len), np.int32)
@@ -209,55 +374,170 @@ class SlotEngine:
             table[b, :n] = r.slots
             table[b, n:] = r.slots[0]              # padding reads a valid slot; the mask hides it
             kpos[b, :n] = np.arange(n)
-        qpos = np.array([[o + j for j in range(L)] for o in offsets], np.int32)
-        self.ctx = StepContext(B, L, mx.array(qpos.reshape(-1)), mx.array(np.array(new_slots, np.int32).reshape(-1)),
-                               offsets, mx.array(table), mx.array(kpos), mx.array(qpos))
-        for attn, hook, rope_attr in self.hooks:
-            hook.ctx, hook.calls, hook.pending_q = self.ctx, 0, None
-            setattr(attn, rope_attr, hook)
-        caches = self.caches
-        if self.hybrid:   # recurrent layers carry per-request state: one own-cache list per request
-            assert B == 1, "hybrid models are stepped one request at a time"
-            own = self._own_per_request.setdefault(reqs[0].rid, self.model.make_cache())
-            caches = [c if isinstance(c, PoolCache) else own[i] for i, c in enumerate(self.caches)]
+        qpos = np.asarray(offsets, np.int32)[:, None] + np.arange(L, dtype=np.int32)[None]
+        self.step_ctx = Step(B, L, offsets, mx.array(qpos.reshape(-1)),
+                             mx.array(np.asarray(per_req, np.int32).reshape(-1)), mx.array(table), mx.array(kpos),
+                             mx.array(qpos))
+        caches = []
+        for i in range(len(self.own_template)):
+            states = [r.state[i] for r in reqs]
+            caches.append(self._assemble(self.own_template[i], self.kv_paths.get(i), i, states))
+        for attn, attr, hook in self.hooks.values():
+            if isinstance(hook, RopeCapture):
+                hook.reset()
+            setattr(attn, attr, hook)
         try:
-            logits = self.model(mx.array(new_tokens, dtype=mx.int32), cache=caches)
+            logits = self.model(mx.array(new_tokens, dtype=mx.int32), cache=caches)[:, -1, :]
+            for i, (attn, attr, hook) in self.hooks.items():
+                if isinstance(hook, RopeCapture) and hook.calls:
+                    raise EngineError(f"layer {i}: the attention called its rope but never wrote the cache")
+            if B > 1:                                # hand each request its row of the merged states
+                for i in self.stateful:
+                    _split_into(caches[i], [r.state[i] for r in reqs])
+        except BaseException:
+            for (r, slots), s in zip(saved, snap):  # leave the requests as they were
+                r.slots = slots
+                _restore(r.state, s)
+            self.free.extend(reversed(new_slots))
+            raise
         finally:
-            for attn, hook, rope_attr in self.hooks:
-                setattr(attn, rope_attr, hook.rope)
-        return logits[:, -1, :]
+            for attn, attr, hook in self.hooks.values():
+                setattr(attn, attr, hook.rope)
+                if isinstance(hook, RopeCapture):
+                    hook.reset()
+        return logits
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, collect_logits: bool = False) -> dict:
-        """Greedy decode: prefill each prompt, then batched decode steps. Returns the generated tokens,
-        timings and, with collect_logits, each step's float32 logits per request ([steps, vocab])."""
-        rids = [self.add_request(p) for p in prompts]
-        reqs = [self.requests[r] for r in rids]
-        logits_log: list[list[np.ndarray]] = [[] for _ in reqs]
-        t0 = time.perf_counter()
-        rows = [self._forward([r], [r.tokens]) for r in reqs]   # prefill, one request at a time
-        logits = mx.concatenate(rows)
+    def _emit(self, reqs: list[Request], logits: mx.array) -> list[tuple[int, int]]:
         nxt = mx.argmax(logits, axis=-1)
         mx.eval(nxt, logits)
-        t1 = time.perf_counter()
-        for step in range(max_new_tokens):
-            if collect_logits:
-                for b, row in enumerate(np.array(logits.astype(mx.float32))):
-                    logits_log[b].append(row)
-            ids = nxt.tolist()
-            for r, t in zip(reqs, ids):
-                r.generated.append(t)
-            if step + 1 == max_new_tokens:
-                break
-            if self.per_request:                                   # hybrid or self-made attention: one at a time
-                logits = mx.concatenate([self._forward([r], [[t]]) for r, t in zip(reqs, ids)])
-            else:
-                logits = self._forward(reqs, [[t] for t in ids])
-            nxt = mx.argmax(logits, axis=-1)
-            mx.eval(nxt, logits)
-        t2 = time.perf_counter()
-        decoded = len(reqs) * max(0, max_new_tokens - 1)
-        out = {"tokens": [r.generated for r in reqs], "prefill_s": t1 - t0, "decode_s": t2 - t1,
-               "decode_tokens_per_s": decoded / (t2 - t1) if t2 > t1 and decoded else 0.0}
-        if collect_logits:
-            out["logits"] = [np.stack(x) for x in logits_log]
+        if self.record_logits:
+            rows = np.array(logits.astype(mx.float32))
+            for r, row in zip(reqs, rows):
+                r.logits.append(row)
+        out = []
+        for r, t in zip(reqs, nxt.tolist()):
+            r.generated.append(int(t))
+            out.append((r.rid, int(t)))
         return out
+
+    def step(self) -> list[tuple[int, int]]:
+        """Prefill the waiting requests (one at a time), then one decode step for the requests that
+        were already running (batched). Returns the (request id, token) pairs produced."""
+        out: list[tuple[int, int]] = []
+        decode = [self.requests[rid] for rid in self.running]
+        t0 = time.perf_counter()
+        for rid in list(self.waiting):
+            r = self.requests[rid]
+            r.state = make_own_cache(self.model) if self.stateful else [None] * len(self.own_template)
+            out += self._emit([r], self._forward([r], [r.prompt]))
+            self.timing["prefill_tokens"] += len(r.prompt)
+            self.waiting.remove(rid)
+            self.running.append(rid)
+        t1 = time.perf_counter()
+        self.timing["prefill_s"] += t1 - t0
+        if decode:
+            if self.batch_reason:
+                for r in decode:
+                    out += self._emit([r], self._forward([r], [[r.generated[-1]]]))
+            else:
+                out += self._emit(decode, self._forward(decode, [[r.generated[-1]] for r in decode]))
+            self.timing["decode_s"] += time.perf_counter() - t1
+            self.timing["decode_tokens"] += len(decode)
+            self.timing["decode_steps"] += 1
+        for rid in list(self.running):
+            if self.requests[rid].done:
+                self.release(rid)
+        return out
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> dict:
+        """Greedy decode `max_new_tokens` for each prompt; returns the tokens per request (in prompt
+        order), timings and, with record_logits, each step's float32 logits per request [steps, V]."""
+        before = dict(self.timing)
+        rids = [self.add_request(p, max_new_tokens) for p in prompts]
+        while self.waiting or self.running:
+            self.step()
+        reqs = [self.requests.pop(rid) for rid in rids]
+        t = {k: self.timing[k] - before[k] for k in self.timing}
+        out = {"tokens": [r.generated for r in reqs], **t,
+               "decode_tokens_per_s": t["decode_tokens"] / t["decode_s"] if t["decode_s"] > 0 else 0.0}
+        if self.record_logits:
+            out["logits"] = [np.stack(r.logits) for r in reqs]
+        return out
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _vocab_size(model) -> int | None:
+    args = getattr(model, "args", None)
+    for obj in (args, getattr(args, "text_config", None)):
+        v = obj.get("vocab_size") if isinstance(obj, dict) else getattr(obj, "vocab_size", None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _has_state(entry) -> bool:
+    if entry is None or hasattr(entry, "update_and_fetch"):
+        return False
+    if hasattr(entry, "caches"):
+        return any(_has_state(c) for c in entry.caches)
+    return True
+
+
+def _mergeable(entry) -> bool:
+    """Per-request state the engine can batch: ArraysCache-like (a `cache` list of [B, ...] arrays),
+    possibly inside a CacheList next to the layer's KV cache."""
+    if entry is None or hasattr(entry, "update_and_fetch"):
+        return True
+    if hasattr(entry, "caches"):
+        return all(_mergeable(c) for c in entry.caches)
+    return isinstance(getattr(entry, "cache", None), list)
+
+
+def _merge(states: list):
+    """One ArraysCache-like object holding the requests' states along the batch axis."""
+    first = states[0]
+    merged = type(first).__new__(type(first))
+    merged.__dict__.update(first.__dict__)
+    merged.cache = [None if all(s.cache[j] is None for s in states) else
+                    mx.concatenate([s.cache[j] for s in states], axis=0) for j in range(len(first.cache))]
+    return merged
+
+
+def _split_into(entry, states: list) -> None:
+    if hasattr(entry, "caches"):
+        for j, sub in enumerate(entry.caches):
+            if not hasattr(sub, "update_and_fetch"):
+                _split_into(sub, [s.caches[j] for s in states])
+        return
+    for b, s in enumerate(states):
+        s.cache = [None if c is None else c[b:b + 1] for c in entry.cache]
+
+
+def _snapshot(state):
+    if state is None:
+        return None
+    return [None if e is None else _snap_entry(e) for e in state]
+
+
+def _snap_entry(e):
+    if hasattr(e, "caches"):
+        return [_snap_entry(c) for c in e.caches]
+    return list(e.cache) if isinstance(getattr(e, "cache", None), list) else None
+
+
+def _restore(state, snap) -> None:
+    if state is None or snap is None:
+        return
+    for e, s in zip(state, snap):
+        _restore_entry(e, s)
+
+
+def _restore_entry(e, s) -> None:
+    if e is None or s is None:
+        return
+    if hasattr(e, "caches"):
+        for c, cs in zip(e.caches, s):
+            _restore_entry(c, cs)
+    elif isinstance(getattr(e, "cache", None), list):
+        e.cache = list(s)
