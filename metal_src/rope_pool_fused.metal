@@ -2,11 +2,11 @@
 // the rotated k and the unchanged v into the slot-indexed pools.
 //
 // Thread (p, t, g) of grid (head_dim/2, n_tokens, gq + gk) owns feature pair p of token t for the
-// heads of group g: q heads for g < gq, else kv heads (k rotated into k_out, and with v into the
-// pools when the slot is valid). Pairs p < rotary_dims/2 rotate; cos/sin are computed once and
-// reused for every head of the group. The other pairs copy two pass-through features.
-// Consecutive threads along x touch consecutive features of one row, so a SIMD-group's accesses
-// coalesce; adjacent pairs (traditional, pass-through) move as one 2-element vector.
+// heads of group g: q heads for g < gq, else kv heads (k rotated into k_out and, when the slot is
+// valid, k_pool; v features 2p, 2p+1 into v_pool). Pairs p < rotary_dims/2 rotate; cos/sin are
+// computed once and reused for every head of the group. The other pairs copy two pass-through
+// features. Consecutive threads along x touch consecutive features of one row, so a SIMD-group's
+// accesses coalesce; adjacent pairs (traditional, pass-through, v) move as one 2-element vector.
 //
 // Checked on Linux by tests/metal_emu (docs/metal.md); compiled with -std=metal3.1 (bfloat).
 #include <metal_stdlib>
@@ -106,7 +106,9 @@ template <typename T>
     store_pair(dst + off, a, b, adjacent, x);
     if (store) {
       store_pair(k_pool + pool_row + off, a, b, adjacent, x);
-      store_pair(v_pool + pool_row + off, a, b, adjacent, load_pair(v + row + off, a, b, adjacent));
+      // v is copied, not rotated: features 2p, 2p+1 (one vector) cover the row across the threads.
+      const vec<T, 2> vp = load_pair(v + row + off, 2 * p, 2 * p + 1, true);
+      store_pair(v_pool + pool_row + off, 2 * p, 2 * p + 1, true, vp);
     }
   }
 }

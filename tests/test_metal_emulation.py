@@ -25,7 +25,7 @@ from registry.kernels.rope_pool_fused import RopePoolFusedKernel, metal_geometry
 from registry.manifest import load_manifest
 from registry.paths import PROJECT_ROOT
 from tests._oracle import rope_pool_numpy
-from tests.metal_emu.emulator import (AbiMismatch, Constant, EmulatedMetal, EmulationError, LaunchError,
+from tests.metal_emu.emulator import (AbiMismatch, Constant, EmulatedMetal, LaunchError,
                                       SanitizerError, UnsupportedMetalFeature, check_abi, compile_kernel,
                                       compile_source, from_bfloat16_bits, to_bfloat16_bits)
 from tests.rope_cases import MX_DTYPES, TOL, make_case, matrix, rope_variant, to_np
@@ -153,7 +153,7 @@ def test_parity_matrix(library, dtype, gqa, head_dim, variant):
 
 @pytest.mark.parametrize("hpt", [1, 2, 3, 4, 8])
 def test_heads_per_thread_not_dividing_head_counts(library, hpt):
-    """Grouped heads with a partial last group (28 q heads, 6 kv heads), plans packed by the real
+    """Grouped heads with a partial last group (30 q heads, 6 kv heads), plans packed by the real
     Launcher, geometry from the wrapper's metal_geometry."""
     rope = rope_variant("partial-traditional", 128)
     T, Hq, Hkv, D, S = 5, 30, 6, 128, 8
@@ -374,7 +374,8 @@ def test_barrier_misuse_is_an_error(selftest, entry, message):
 
 
 def test_max_total_threads_attribute_is_enforced(selftest):
-    with pytest.raises(LaunchError, match=r"128 threads exceeds the kernel's \[\[max_total_threads_per_threadgroup\(64\)"):
+    limit = r"128 threads exceeds the kernel's \[\[max_total_threads_per_threadgroup\(64\)"
+    with pytest.raises(LaunchError, match=limit):
         selftest.run("group_sum", {0: np.zeros(1, np.float32), 1: np.zeros(1, np.float32), 2: np.array([1], np.uint32)},
                      {0: Constant.of("float32", 1.0)}, (128, 1, 1), (128, 1, 1))
 

@@ -172,7 +172,8 @@ def preprocess(source: Path, include_dirs: Sequence[Path] = (), defines: Sequenc
     if p.returncode != 0:
         header = re.search(r"fatal error: ([\w./]+): No such file|fatal error: '([\w./]+)' file not found", p.stderr)
         if header:
-            raise UnsupportedMetalFeature(f"{source}: unsupported Metal feature: header <{header.group(1) or header.group(2)}> "
+            name = header.group(1) or header.group(2)
+            raise UnsupportedMetalFeature(f"{source}: unsupported Metal feature: header <{name}> "
                                           f"(the emulation provides only <metal_stdlib>, via metal_shim.h)")
         raise EmulationError(f"preprocessing {source} failed:\n{p.stderr[-3000:]}")
     return p.stdout
@@ -180,8 +181,11 @@ def preprocess(source: Path, include_dirs: Sequence[Path] = (), defines: Sequenc
 
 def _code_only(text: str) -> str:
     """Text without line markers (they hold file paths) and string literals."""
-    text = re.sub(r"^#.*$", "", text, flags=re.M)
-    return re.sub(r'"(?:[^"\\\n]|\\.)*"', '""', text)
+    return re.sub(r'"(?:[^"\\\n]|\\.)*"', '""', _without_line_markers(text))
+
+
+def _without_line_markers(text: str) -> str:
+    return re.sub(r"^#.*$", "", text, flags=re.M)
 
 
 def check_features(text: str, source: Path) -> None:
@@ -199,7 +203,7 @@ def check_features(text: str, source: Path) -> None:
 
 def parse(text: str, source: Path) -> tuple[dict[str, KernelDef], list[EntryPoint]]:
     """Kernel definitions and entry points of a preprocessed source."""
-    code = _code_only_keep_strings(text)
+    code = _without_line_markers(text)
     kernels: dict[str, KernelDef] = {}
     entries: list[EntryPoint] = []
     head = re.compile(r"(\[\[\s*kernel\s*\]\]|\bkernel\b)((?:\s*\[\[[^\]]*\]\])*)\s*void\s+([A-Za-z_]\w*)\s*")
@@ -244,10 +248,6 @@ def parse(text: str, source: Path) -> tuple[dict[str, KernelDef], list[EntryPoin
     if dupes:
         raise EmulationError(f"{source}: entry names defined twice: {sorted(dupes)}")
     return kernels, entries
-
-
-def _code_only_keep_strings(text: str) -> str:
-    return re.sub(r"^#.*$", "", text, flags=re.M)
 
 
 def _param(raw: str, kernel: str, source: Path) -> Param:
@@ -426,7 +426,8 @@ class KernelLibrary:
         for e in self.describe()["entries"]:
             if e["name"] == name:
                 return e
-        raise LaunchError(f"{self.source} has no entry {name!r} (it has {[e['name'] for e in self.describe()['entries']]})")
+        names = [e["name"] for e in self.describe()["entries"]]
+        raise LaunchError(f"{self.source} has no entry {name!r} (it has {names})")
 
     def run(self, entry: str, buffers: Mapping[int, np.ndarray], constants: Mapping[int, Constant],
             grid: Sequence[int], group: Sequence[int], *, order: str = "forward", seed: int = 0,
@@ -614,9 +615,9 @@ def check_abi(library: KernelLibrary, spec: Any) -> None:
                                   f"{'a reference to ' if p['ref'] else 'a pointer to '}{p['elem']}, kernels.yaml "
                                   f"buffer {b.name} needs a pointer to {METAL_ELEM[want]} ({want})")
             if p["const"] != (b.role == "input"):
+                why = "inputs are read-only (const device T*)" if b.role == "input" else "the kernel writes it"
                 raise AbiMismatch(f"{where}: {entry_name}: [[buffer({i})]] {p['name']} is "
-                                  f"{'const' if p['const'] else 'writable'}, but {b.name} is role {b.role}: "
-                                  f"{'inputs are read-only (const device T*)' if b.role == 'input' else 'the kernel writes it'}")
+                                  f"{'const' if p['const'] else 'writable'}, but {b.name} is role {b.role}: {why}")
         j = n_buffers
         for s in sig.scalars:
             if s.specialize:
@@ -665,8 +666,6 @@ class EmulatedMetal:
                                group=group)
 
     def launch(self, binary, plan, inputs, stream=None):
-        import mlx.core as mx
-
         roles = binary.roles
         n_inputs = sum(r in (0, 2) for r in roles)
         if len(inputs) != n_inputs:
