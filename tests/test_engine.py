@@ -16,14 +16,13 @@ import pytest
 from registry.core import backend_of
 from registry.integrations.coverage import ARCHS
 from registry.integrations.engine import mlx_lm_greedy
-from registry.integrations.mlx_lm import build_kernel_sets, build_model, make_own_cache
+from registry.integrations.mlx_lm import build_kernel_sets, build_model, import_mlx_lm_module, make_own_cache
 from registry.integrations.slot_engine import EngineError, SlotEngine, UnsupportedModelError
 from registry.paths import PROJECT_ROOT
 
 PROMPTS = [[3, 17, 42, 99, 7], [11, 5], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12]]   # different lengths
 NEW_TOKENS = 16
-UNSUPPORTED = {"deepseek_v3 (MLA)"}        # the engine refuses these; see test_mla_is_not_supported
-ENGINE_ARCHS = [a for a in ARCHS if a not in UNSUPPORTED]
+ENGINE_ARCHS = list(ARCHS)                 # the engine runs every architecture of the coverage table
 
 _MODELS: dict[tuple[str, str], object] = {}
 
@@ -166,9 +165,27 @@ def test_runtime_check_refuses_a_fused_plan_the_trace_would_have_refused():
     assert engine.free_slots == free                      # the failed forward gave its slots back
 
 
-def test_mla_is_not_supported():
-    with pytest.raises(UnsupportedModelError, match="MLA attention caches a compressed latent"):
-        SlotEngine(model_of("deepseek_v3 (MLA)"))
+def test_mla_runs_on_latent_pools():
+    """deepseek_v3: the kernel is rejected (no per-head K/V); the engine's pools hold the cached latent
+    (keys [S, 1, kv_lora_rank], values [S, 1, qk_rope_head_dim]) and the module runs its own rope."""
+    engine = SlotEngine(model_of("deepseek_v3 (MLA)"))
+    assert {p.path for p in engine.plans.values()} == {"module"}
+    assert all(p.reason.startswith("MLA: the pools hold the cached latent rows") for p in engine.plans.values())
+    engine.generate(PROMPTS[:1], 2)
+    assert engine.pools[0].k_pool.shape == (engine.pool_size, 1, 32)
+    assert engine.pools[0].v_pool.shape == (engine.pool_size, 1, 8)
+
+
+def test_cache_semantics_the_engine_cannot_emulate_are_refused():
+    """A RotatingKVCache that keeps its first tokens (what mlx-lm builds for max_kv_size) is not a plain
+    window: the engine says so instead of attending differently."""
+    cache_mod = import_mlx_lm_module("cache")
+    mx.random.seed(0)
+    model = build_model(ARCHS["gemma3"])
+    model.make_cache = lambda: [cache_mod.RotatingKVCache(max_size=8, keep=4), cache_mod.KVCache()]
+    with pytest.raises(UnsupportedModelError, match=r"layers 0 \(Attention\): RotatingKVCache\(keep=4\) keeps its "
+                                                    r"first 4 tokens \(attention sinks\): not supported"):
+        SlotEngine(model)
 
 
 def test_module_mode_needs_no_trace():
@@ -213,7 +230,26 @@ def test_continuous_batching_and_slot_reuse():
     assert engine.free_slots == 64
 
 
-def test_pool_exhaustion_and_bad_requests_are_clear_errors():
+def test_admission_waits_for_slots():
+    """Pool of 20 slots: a 12-token prompt + 4 tokens takes 15, a 10-token one 13; the second waits
+    until the first finishes and frees its slots, then runs on them."""
+    model = model_of("llama")
+    engine = SlotEngine(model, pool_size=20)
+    a = engine.add_request(list(range(12)), 4)
+    b = engine.add_request(list(range(10)), 4)
+    engine.step()
+    assert engine.running == [a] and engine.waiting == [b] and engine.free_slots == 8
+    steps = 1
+    while engine.waiting or engine.running:
+        engine.step()
+        steps += 1
+    assert steps == 4 + 4                                  # a: prefill + 3 decodes; b after it
+    assert engine.requests[a].generated == mlx_lm_greedy(model, list(range(12)), 4)
+    assert engine.requests[b].generated == mlx_lm_greedy(model, list(range(10)), 4)
+    assert engine.free_slots == 20
+
+
+def test_bad_requests_are_clear_errors():
     model = model_of("llama")
     engine = SlotEngine(model, pool_size=20)
     with pytest.raises(EngineError, match="needs 30 slots, the pool has 20"):
@@ -224,10 +260,8 @@ def test_pool_exhaustion_and_bad_requests_are_clear_errors():
         engine.add_request([], 2)
     with pytest.raises(EngineError, match="max_new_tokens must be a positive int"):
         engine.add_request([1], 0)
-    engine.add_request(list(range(12)), 4)
-    engine.add_request(list(range(10)), 4)                 # fits alone, not next to the first
-    with pytest.raises(EngineError, match="slot pool exhausted: need 10 slots, 8 free of 20"):
-        engine.step()
+    with pytest.raises(EngineError, match="no request 7"):
+        engine.release(7)
     with pytest.raises(ValueError, match="mode must be one of"):
         SlotEngine(model, mode="fast")
     with pytest.raises(ValueError, match="pool_size must be a positive int"):
@@ -238,7 +272,7 @@ def test_explain_names_each_layer_path():
     text = SlotEngine(model_of("cohere2 (sliding, NoPE global)")).explain()
     assert "decode batched" in text
     assert "layers 0,2 (Attention, window 8): fused: rope_pool_fused" in text
-    assert "layers 1,3 (Attention): module: module rope + pool scatter [the layer applies no RoPE" in text
+    assert "layers 1,3 (Attention): module: pool scatter [the layer applies no RoPE]" in text
 
 
 def test_engine_command_runs():
@@ -249,6 +283,6 @@ def test_engine_command_runs():
     assert "rope_pool_fused: selected" in out and "slot engine: mode=fused" in out
     assert "request 2: prompt 11 tokens ->" in out and "tokens/s" in out
     assert "check: all 3 requests match mlx-lm's own greedy decode" in out
-    p = subprocess.run([sys.executable, "-m", "registry.integrations.engine", "--arch", "deepseek_v3"],
+    p = subprocess.run([sys.executable, "-m", "registry.integrations.engine", "--arch", "gemma9"],
                        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 1 and "not supported by the slot engine" in p.stderr
+    assert p.returncode == 2 and "--arch 'gemma9': choose from" in p.stderr

@@ -127,12 +127,7 @@ def arch_vocab(cfg: dict) -> int:
 
 
 def _engine_column(plan, batch_reason: str) -> str:
-    if plan.path == "fused":
-        text = "fused"
-    elif plan.path == "reference":
-        text = f"reference path ({plan.reason})"
-    else:
-        text = f"module rope + pool scatter ({plan.reason})"
+    text = "fused" if plan.path == "fused" else f"{plan.what} ({plan.reason})"
     return text + (f"; decode one request at a time ({batch_reason})" if batch_reason else "")
 
 

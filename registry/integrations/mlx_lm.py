@@ -425,10 +425,14 @@ def ranges(idx: list[int]) -> str:
     return ",".join(out)
 
 
-def rope_description(ctx) -> str:
+def rope_description(ctx, attn=None) -> str:
     r = ctx.rope
     if r is None:
-        return f"unsupported: {ctx.rope_error}"
+        attr = rope_attr(attn) if attn is not None else None
+        if attr is None:
+            return "no rope module"
+        name = type(getattr(attn, attr)).__name__
+        return f"{name} ({'MLA' if ctx.attention == 'mla' else 'identity' if name == 'NoPE' else 'not expressible'})"
     what = (f"base={r.base:g}" if r.base is not None
             else f"periods[{len(r.periods)}] {min(r.periods):.4g}..{max(r.periods):.4g}")
     return (f"{r.source}(dims={r.rotary_dims}{', traditional' if r.traditional else ''}, {what}"
@@ -498,7 +502,7 @@ def build_kernel_sets(model, *, registry: KernelRegistry | None = None, dtype=No
         if key not in groups:
             kset = registry.build_for_context(ctx)
             groups[key] = LayerConfig([], type(attn).__name__, n_heads, n_kv, head_dim, v_head_dim,
-                                      rope_description(ctx), kset, applies, flow, window, cache_error)
+                                      rope_description(ctx, attn), kset, applies, flow, window, cache_error)
             result.configs.append(groups[key])
         groups[key].layers.append(i)
         result.by_layer[i] = groups[key].kernel_set

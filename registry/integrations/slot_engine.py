@@ -60,6 +60,15 @@ class LayerPlan:
     reason: str                        # why this path (and, for fused, what runs)
     call: Callable | None              # (q, k, v, positions, slots, k_pool, v_pool) -> 4-tuple
     window: int | None
+    rotates: bool = True               # module path: whether the attention rotates through a rope module
+
+    @property
+    def what(self) -> str:
+        if self.path == "fused":
+            return "rope_pool_fused"
+        if self.path == "reference":
+            return "rope_pool_fused_reference (pure MLX)"
+        return "module rope + pool scatter" if self.rotates else "pool scatter"
 
 
 @dataclass
@@ -235,10 +244,7 @@ class SlotEngine:
         problems = []
         for c in self.kernels.configs:
             where = f"layers {ranges(c.layers)} ({c.attention_class})"
-            if c.kernel_set.context.attention == "mla":
-                problems.append(f"{where}: MLA attention caches a compressed latent, not per-head K/V; the "
-                                f"slot engine's pools are [S, n_kv_heads, head_dim]: not supported by the slot engine")
-            elif c.cache_error:
+            if c.cache_error:
                 problems.append(f"{where}: {c.cache_error}: not supported by the slot engine")
         if problems:
             raise UnsupportedModelError(f"{type(self.model).__name__}: " + "; ".join(problems))
@@ -250,7 +256,13 @@ class SlotEngine:
         if self.mode == "module":
             return LayerPlan(i, "module", "mode='module': the model's own rope and a plain pool scatter", None, window)
         if c.applies_rope is False:
-            return LayerPlan(i, "module", "the layer applies no RoPE: plain pool scatter", None, window)
+            return LayerPlan(i, "module", "the layer applies no RoPE", None, window, rotates=False)
+        if rope_attr(self.attn_layers[i]) is None:
+            return LayerPlan(i, "module", "no rope module: any RoPE is the attention's own code", None, window,
+                             rotates=False)
+        if ctx.attention == "mla":
+            return LayerPlan(i, "module", "MLA: the pools hold the cached latent rows, which the kernel cannot "
+                                          "produce", None, window)
         if c.dataflow_error:
             return LayerPlan(i, "module", c.dataflow_error, None, window)
         if self.mode == "fused" and ks.rope is not None:
@@ -291,10 +303,8 @@ class SlotEngine:
                  + ("batched" if not self.batch_reason else f"one request at a time ({self.batch_reason})")]
         groups: dict[tuple, list[int]] = {}
         for i, p in self.plans.items():
-            groups.setdefault((type(self.attn_layers[i]).__name__, p.path, p.reason, p.window), []).append(i)
-        for (cls, path, reason, window), layers in groups.items():
-            what = {"fused": "rope_pool_fused", "reference": "rope_pool_fused_reference (pure MLX)",
-                    "module": "module rope + pool scatter"}[path]
+            groups.setdefault((type(self.attn_layers[i]).__name__, p.path, p.what, p.reason, p.window), []).append(i)
+        for (cls, path, what, reason, window), layers in groups.items():
             lines.append(f"  layers {ranges(layers)} ({cls}{f', window {window}' if window else ''}): "
                          f"{path}: {what} [{reason}]")
         if self.stateful:
@@ -420,19 +430,33 @@ class SlotEngine:
             out.append((r.rid, int(t)))
         return out
 
+    def _outstanding(self, r: Request) -> int:
+        """Slots `r` will still take: prompt + max_new_tokens - 1 in all (the last token is never written)."""
+        return len(r.prompt) + r.max_new_tokens - 1 - len(r.slots)
+
     def step(self) -> list[tuple[int, int]]:
-        """Prefill the waiting requests (one at a time), then one decode step for the requests that
-        were already running (batched). Returns the (request id, token) pairs produced."""
+        """Admit and prefill waiting requests (one at a time, first come first served, while the pool
+        can hold everything they and the running requests will still write), then one decode step
+        for the requests that were already running (batched). Returns the (request id, token) pairs
+        produced. Admission reserves whole requests, so a decode step never runs out of slots."""
         out: list[tuple[int, int]] = []
         decode = [self.requests[rid] for rid in self.running]
         t0 = time.perf_counter()
+        reserved = sum(self._outstanding(r) for r in decode)
         for rid in list(self.waiting):
             r = self.requests[rid]
+            if self._outstanding(r) > len(self.free) - reserved:
+                break                                     # waits for running requests to finish
+            reserved += self._outstanding(r) - len(r.prompt)
             r.state = make_own_cache(self.model) if self.stateful else [None] * len(self.own_template)
             out += self._emit([r], self._forward([r], [r.prompt]))
             self.timing["prefill_tokens"] += len(r.prompt)
             self.waiting.remove(rid)
             self.running.append(rid)
+        if self.waiting and not decode and not self.running:
+            r = self.requests[self.waiting[0]]
+            raise EngineError(f"request {r.rid} needs {self._outstanding(r)} slots and only {len(self.free)} of "
+                              f"{self.pool_size} are free with nothing running")
         t1 = time.perf_counter()
         self.timing["prefill_s"] += t1 - t0
         if decode:
