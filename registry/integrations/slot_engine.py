@@ -92,8 +92,11 @@ class ModuleRope:
         self.engine, self.rope = engine, rope
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
-        kwargs.pop("offset", None)        # the engine's positions, not the attention's idea of them
-        args = args[1:] if args else args
+        # The engine's positions, not the attention's idea of them: drop its offset (keyword or first positional).
+        if "offset" in kwargs:
+            del kwargs["offset"]
+        else:
+            args = args[1:]
         offsets = self.engine.step_ctx.offsets
         if len(offsets) == 1 or len(set(offsets)) == 1:
             return self.rope(x, *args, offset=offsets[0], **kwargs)
