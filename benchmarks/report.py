@@ -238,7 +238,8 @@ def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
     ticks = [t for t in (0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if lo <= t <= hi] or [1]
     axes[0].set_yticks(ticks, [f"{t:g}x" for t in ticks])
     axes[0].yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    axes[2].set_ylim(0, max(1.2, max((c.bandwidth_share() or 0 for c in cells), default=0) * 1.05))
+    half = [c for c in cells if c.dtype in HALF] or cells   # what panel 3 shows
+    axes[2].set_ylim(0, max(1.2, max((c.bandwidth_share() or 0 for c in half), default=0) * 1.05))
     for ax in axes:
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
