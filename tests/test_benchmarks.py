@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks import cases, report, runner
-from benchmarks.cases import BenchmarkError, LayerData, Shape
+from benchmarks.cases import BenchmarkError, Shape
 from benchmarks.cli import bench
 from benchmarks.runner import Cell
 from registry.kernels.rope_pool_fused import RopePoolFusedKernel
