@@ -13,7 +13,7 @@ import pytest
 
 from registry.integrations.coverage import ARCHS, render
 from registry.integrations.mlx_lm import (attention_dims, build_kernel_sets, build_model, find_attention_layers,
-                                          import_mlx_lm_module, trace_attention)
+                                          trace_attention)
 from registry.paths import PROJECT_ROOT
 
 _BUILT: dict[str, nn.Module] = {}

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for i, (prompt, toks) in enumerate(zip(prompts, out["tokens"])):
         print(f"request {i}: prompt {len(prompt)} tokens -> {toks}")
-    print(f"layer calls: " + ", ".join(f"{k} {v}" for k, v in sorted(engine.calls.items())))
+    print("layer calls: " + ", ".join(f"{k} {v}" for k, v in sorted(engine.calls.items())))
     print(f"prefill {out['prefill_s'] * 1e3:.1f} ms ({out['prefill_tokens']} tokens); decode "
           f"{out['decode_tokens_per_s']:.1f} tokens/s ({out['decode_tokens']} tokens in {out['decode_steps']} "
           f"steps, {len(prompts)} requests {'batched' if not engine.batch_reason else 'one at a time'})")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 import sys
 import types
 from dataclasses import dataclass, field
@@ -29,8 +28,6 @@ import mlx.core as mx
 
 from ..core import KernelRegistry, KernelSet, default_registry, describe_attention
 from ._capture import CountingRope, DataflowError, RopeCapture, resolve_with_module_rope
-
-log = logging.getLogger("registry")
 
 # An excerpt of mlx_lm.utils.MODEL_REMAPPING (importing mlx_lm.utils needs transformers).
 MODEL_REMAPPING = {"mistral": "llama", "iquestcoder": "llama", "xverse": "llama"}

@@ -31,8 +31,8 @@ import numpy as np
 from ..errors import MlxAotError
 from ..kernels.rope_pool_fused import rope_pool_fused_reference
 from ._capture import DataflowError, RopeCapture, resolve
-from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, kv_cache_path,
-                     make_own_cache, ranges, rope_attr)
+from .mlx_lm import (ModelKernels, build_kernel_sets, find_attention_layers, kv_cache_path, make_own_cache,
+                     ranges, rope_attr)
 
 MODES = ("fused", "reference", "module")
 
