@@ -96,6 +96,7 @@ _HANDLERS = {
     "DynamicNTKAlphaRoPE": lambda m: _table(m, m.dims, False),      # hunyuan: static table
 }
 _REJECTED = {
+    "NoPE": "NoPE layer: it applies no rotary embedding, so there is nothing to fuse",
     "DynamicNTKScalingRoPE": "DynamicNTKScalingRoPE recomputes its base from the sequence length "
                              "on every call, so no fixed table reproduces it",
     "DeepseekV2YarnRotaryEmbedding": "DeepSeek MLA rotary embedding: rotates a shared k_pe slice, "
@@ -106,7 +107,8 @@ _REJECTED = {
 def normalize_rope(module: Any) -> RopeConfig:
     """RopeConfig for `module`, or UnsupportedRope saying why it cannot be fused."""
     if module is None:
-        raise UnsupportedRope("the attention module has no RoPE (no `rope`/`rotary_emb` attribute)")
+        raise UnsupportedRope("the attention module has no RoPE module (no `rope`/`rotary_emb` attribute): "
+                              "a RoPE applied inline by the attention code, if any, cannot be fused")
     if isinstance(module, RopeConfig):
         return module
     name = type(module).__name__
