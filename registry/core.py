@@ -28,7 +28,7 @@ from .rope import RopeConfig, UnsupportedRope, normalize_rope
 
 log = logging.getLogger("registry")
 
-_DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
+DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
 
 
 # ----------------------------------------------------------------------------- selection context
@@ -82,12 +82,12 @@ def _module_dtype(module: Any) -> str | None:
     except Exception:  # a module whose parameters() cannot be walked tells us nothing
         return None
     for _, value in leaves:
-        if isinstance(value, mx.array) and value.dtype in _DTYPE_NAMES:
-            return _DTYPE_NAMES[value.dtype]
+        if isinstance(value, mx.array) and value.dtype in DTYPE_NAMES:
+            return DTYPE_NAMES[value.dtype]
     return None
 
 
-def backend_of(device: mx.Device | None) -> str:
+def backend_of(device: mx.Device | None = None) -> str:
     device = device if device is not None else mx.default_device()
     if device.type == mx.cpu:
         return "cpu"
@@ -97,8 +97,8 @@ def backend_of(device: mx.Device | None) -> str:
 def _dtype_name(dtype: Any) -> str | None:
     if dtype is None or isinstance(dtype, str):
         return dtype
-    if dtype in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype]
+    if dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
     return str(dtype).replace("mlx.core.", "")
 
 

@@ -165,6 +165,13 @@ def test_build_model_errors_name_the_problem():
         build_model({"hidden_size": 64})
 
 
+def _python(code: str) -> str:
+    """Run `code` in a fresh interpreter (module import state matters here); its stripped stdout."""
+    p = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
+
+
 def test_build_model_without_transformers():
     """mlx_lm/__init__ imports its tokenizer stack (transformers, huggingface_hub); without it the
     model modules still load through a bare package."""
@@ -174,9 +181,7 @@ def test_build_model_without_transformers():
             "m = build_model(ARCHS['qwen3'])\n"
             "import mlx_lm; assert not hasattr(mlx_lm, 'load'), 'expected the bare package'\n"
             "print(type(m).__module__)")
-    p = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == "mlx_lm.models.qwen3"
+    assert _python(code) == "mlx_lm.models.qwen3"
 
 
 def test_build_model_with_the_full_mlx_lm_package():
@@ -190,9 +195,7 @@ def test_build_model_with_the_full_mlx_lm_package():
             "m = build_model(ARCHS['llama'])\n"
             "import mlx_lm; assert hasattr(mlx_lm, 'load'), 'expected the full package'\n"
             "print(type(m).__module__)")
-    p = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == "mlx_lm.models.llama"
+    assert _python(code) == "mlx_lm.models.llama"
 
 
 def test_committed_coverage_table_is_current():

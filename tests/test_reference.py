@@ -11,28 +11,13 @@ import pytest
 from registry import KernelArgumentError, rope_pool_fused, rope_pool_fused_reference
 from registry.rope import RopeConfig
 from tests._oracle import rope_pool_numpy
-
-MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-# fp32 angles at positions < 5000 carry up to pos * 2^-23 ~ 6e-4 rad of rounding (the oracle is
-# float64), times |x| <= ~4; f16/bf16 add one rounding of the result to the storage dtype.
-TOL = {"float32": 3e-3, "float16": 6e-3, "bfloat16": 3e-2}
-
-
-def make_case(T, Hq, Hkv, D, S, dtype, slots, seed=0, positions=None):
-    rng = np.random.default_rng(seed)
-    arr = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(MX_DTYPES[dtype])
-    q, k, v = arr(T, Hq, D), arr(T, Hkv, D), arr(T, Hkv, D)
-    kp, vp = arr(S, Hkv, D), arr(S, Hkv, D)
-    pos = positions if positions is not None else rng.integers(0, 5000, size=T)
-    return q, k, v, mx.array(np.asarray(pos, dtype=np.int32)), mx.array(np.asarray(slots, dtype=np.int32)), kp, vp
-
+from tests.rope_cases import TOL, make_case, to_np
 
 def check_against_oracle(out, args, rope, dtype):
-    ref = rope_pool_numpy(*[np.array(a if a.dtype == mx.int32 else a.astype(mx.float32)) for a in args], rope)
+    ref = rope_pool_numpy(*[to_np(a) for a in args], rope)
     for name, got, want in zip(("q_rot", "k_rot", "k_pool", "v_pool"), out, ref):
         assert got.dtype == args[0].dtype, name
-        np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, atol=TOL[dtype], rtol=TOL[dtype],
-                                   err_msg=name)
+        np.testing.assert_allclose(to_np(got), want, atol=TOL[dtype], rtol=TOL[dtype], err_msg=name)
 
 
 ROPES = {

@@ -10,23 +10,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from registry.integrations.mlx_lm import import_mlx_lm_module as mlx_lm
 from registry.kernels.rope_pool_fused import _rotate
 from registry.rope import RopeConfig, UnsupportedRope, normalize_rope
 from tests._oracle import rotate_numpy
-
-
-def _models():
-    from registry.integrations.mlx_lm import import_mlx_lm_module
-    return import_mlx_lm_module
-
-
-def mlx_lm(name: str):
-    try:
-        loader = _models()
-    except ImportError:  # integration module not importable: plain import (needs transformers)
-        import importlib
-        return importlib.import_module(f"mlx_lm.models.{name}")
-    return loader(name)
 
 
 def rope_utils():

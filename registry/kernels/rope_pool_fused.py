@@ -22,13 +22,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..core import DTYPE_NAMES as _DTYPES
+from ..core import SelectionContext, backend_of
 from ..errors import KernelArgumentError
 from ..rope import RopeConfig, UnsupportedRope, normalize_rope
 
 log = logging.getLogger("registry")
 
 KERNEL_NAME = "rope_pool_fused"
-_DTYPES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
 
 
 # ----------------------------------------------------------------------------- validation
@@ -196,13 +197,6 @@ _REFERENCE = object()  # the plan of a kernel object without a native launcher
 
 # ----------------------------------------------------------------------------- kernel object
 
-def backend_of(device: mx.Device | None = None) -> str:
-    device = device if device is not None else mx.default_device()
-    if device.type == mx.cpu:
-        return "cpu"
-    return "cuda" if mx.cuda.is_available() else "metal"
-
-
 class RopePoolFusedKernel:
     """What `KernelSet.rope` holds: call it like rope_pool_fused (without `rope=`).
 
@@ -287,7 +281,6 @@ def build(spec, ctx) -> RopePoolFusedKernel:
 
 @functools.lru_cache(maxsize=32)
 def _default_kernel(rope: RopeConfig, backend: str) -> RopePoolFusedKernel:
-    from ..core import SelectionContext
     from ..manifest import load_manifest
 
     spec = load_manifest().kernel(KERNEL_NAME)
