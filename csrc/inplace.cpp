@@ -74,14 +74,17 @@ InplaceDecision decide_inplace(const std::vector<mx::array>& inputs, int i, mx::
   // The caller's own mx.array object + the copy in `inputs` (launch() documents this).
   long expected = 2;
   if (a.status() == mx::array::Status::unscheduled) {
-    // Not computed, so its buffer is unknown; the in-place output of an earlier launch (several calls,
-    // one evaluation) will be that launch's pool. Its sibling outputs hold it until it runs.
-    if (!is_inplace_output_of_launch(a)) {
-      return {false, "it is not computed yet and is not the pool returned by an earlier launch"};
+    if (is_inplace_output_of_launch(a)) {
+      // Several calls, one evaluation: it will be that launch's pool. Its sibling outputs hold it
+      // until it runs.
+      expected += static_cast<long>(a.siblings().size());
+      if (desc_owners(a) != expected) return {false, "another array object or a pending op refers to it"};
+      return {true, ""};
     }
-    expected += static_cast<long>(a.siblings().size());
-    if (desc_owners(a) != expected) return {false, "another array object or a pending op refers to it"};
-    return {true, ""};
+    // Any other lazy pool (a fresh mx.zeros, say): compute it now, once, and decide as for a computed
+    // one. Its pending readers still hold it, so they are seen below.
+    n_syncs++;
+    mx::eval(const_cast<mx::array&>(a));
   }
   if (!a.flags().row_contiguous) return {false, "it is not row-contiguous"};
   if (desc_owners(a) != expected) {

@@ -386,3 +386,19 @@ def test_launcher_argument_errors(native_artifacts):
         launcher.plan("float32", dict.fromkeys(launcher.spec.signature.scalars and
                                                [s.name for s in launcher.spec.signature.scalars], 1),
                       grid=(1, 1, 1), threadgroup=(0, 1, 1))
+
+
+def test_a_fresh_lazy_pool_is_computed_and_written_in_place(native_artifacts):
+    """A pool that is not computed yet (mx.zeros straight into the first call) is computed once and
+    then taken like a computed one: no copy, and every later call writes the same buffer."""
+    from registry import native
+    kernel = native_kernel(RopeConfig(64))
+    q, k, v, pos, slots, _, _ = make_case(2, 4, 2, 64, 8, "float32", [0, 1])
+    mx.eval(q, k, v, pos, slots)
+    before = native.stats()
+    _, _, kp, vp = kernel(q, k, v, pos, slots, mx.zeros((8, 2, 64)), mx.zeros((8, 2, 64)))
+    first = data_ptr(kp), data_ptr(vp)
+    _, _, kp, vp = kernel(q, k, v, pos, slots + 2, kp, vp)
+    assert (data_ptr(kp), data_ptr(vp)) == first
+    after = native.stats()
+    assert after["copies"] == before["copies"] and after["aliased"] - before["aliased"] == 4
