@@ -148,8 +148,8 @@ def stats() -> dict[str, int]:
     - `aliased`: in-place buffers (pools) written where they lie;
     - `copies`: in-place buffers written through a copy-on-write copy (MLX may still donate the
       buffer instead of copying it when nothing can read it any more);
-    - `first_use_checks`: buffers checked for sharing the first time the launcher took them, and
-      `syncs`: how many of those waited for the stream first;
+    - `first_use_checks`: buffers checked for sharing the first time the launcher took them;
+    - `syncs`: host waits: a first-use check after in-flight work, or computing a lazy pool;
     - `owned_pools`: live pool buffers the launcher has written in place.
     """
     return dict(import_ext().stats())
