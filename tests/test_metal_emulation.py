@@ -28,7 +28,7 @@ from tests._oracle import by_slot, rope_pool_numpy
 from tests.metal_emu.emulator import (AbiMismatch, Constant, EmulatedMetal, LaunchError,
                                       SanitizerError, UnsupportedMetalFeature, check_abi, compile_kernel,
                                       compile_source, from_bfloat16_bits, to_bfloat16_bits)
-from tests.rope_cases import MX_DTYPES, TOL, make_case, matrix, rope_variant, to_np
+from tests.rope_cases import MIXED, MX_DTYPES, TOL, make_case, matrix, rope_variant, to_np
 
 SPEC = load_manifest().kernel("rope_pool_fused")
 SOURCE = PROJECT_ROOT / "metal_src" / "rope_pool_fused.metal"
@@ -64,13 +64,15 @@ def emulated_kernel(library, rope, *, order="forward", seed=0) -> RopePoolFusedK
     return kernel
 
 
-def check_against_oracle(out, inputs, rope, dtype):
+def check_against_oracle(out, inputs, rope, dtype, pool_dtype=None):
     q, k, v, pos, slots, kp, vp = (to_np(a) for a in inputs)
     want = rope_pool_numpy(q, k, v, pos, slots, kp, vp, rope)
+    tol = max(TOL[dtype], TOL[pool_dtype or dtype])
     for name, got, w in zip(("q_rot", "k_rot", "k_pool", "v_pool"), out, want):
         g = to_np(got)
+        assert got.dtype == (inputs[5] if "pool" in name else inputs[0]).dtype, name
         assert not np.isnan(g).any(), f"{name}: elements the kernel never wrote (NaN sentinel)"
-        np.testing.assert_allclose(g, w, atol=TOL[dtype], rtol=TOL[dtype], err_msg=name)
+        np.testing.assert_allclose(g, w, atol=tol, rtol=tol, err_msg=name)
     # Rows no valid slot points at are untouched, bit for bit (either pool layout).
     S = by_slot(kp).shape[0]
     untouched = sorted(set(range(S)) - {int(s) for s in slots if 0 <= s < S})
@@ -120,6 +122,9 @@ def test_source_matches_kernels_yaml_abi(library):
      r"\[\[buffer\(7\)\]\] positions is a pointer to int, kernels.yaml buffer positions needs a pointer to float"),
     (lambda s: _with_buffer(s, "v", role="inplace"),
      r"\[\[buffer\(2\)\]\] v is const, but v is role inplace"),
+    (lambda s: _with_buffer(s, "v_pool", dtype_group=None),
+     r"rope_pool_fused_f16_bf16: \[\[buffer\(6\)\]\] v_pool is a pointer to bfloat, kernels.yaml buffer v_pool "
+     r"needs a pointer to half"),
     (lambda s: dataclasses.replace(s, signature=dataclasses.replace(s.signature, buffers=s.signature.buffers[:-1])),
      r"scalar n_tokens belongs at \[\[buffer\(9\)\]\]"),
 ])
@@ -175,6 +180,23 @@ def test_head_major_grouped_heads(library):
     slots[::5] = -1
     inputs = make_case(T, Hq, Hkv, D, S, "float16", slots, seed=4, batch=B)
     check_against_oracle(emulated_kernel(library, rope, order="shuffled")(*inputs), inputs, rope, "float16")
+
+
+@pytest.mark.parametrize("act, pool", MIXED)
+@pytest.mark.parametrize("batch", [None, 2], ids=["slot-major", "head-major"])
+def test_mixed_dtype_pools(library, act, pool, batch):
+    """Pools of another float type than q/k/v: each pool row is the k_out / v row converted, bit
+    for bit, and out-of-range slots (unchecked) still write nothing."""
+    rope = rope_variant("partial-freqs-inf", 64)
+    slots = [5, -1, 0, 11, 12, 3, INT32_MAX]
+    inputs = make_case(len(slots), 4, 2, 64, 12 if batch is None else 6, act, slots, seed=7, batch=batch,
+                       pool_dtype=pool)
+    out = emulated_kernel(library, rope, order="shuffled", seed=len(act))(*inputs, check_slots=False)
+    check_against_oracle(out, inputs, rope, act, pool)
+    rows, toks = np.array([5, 0, 11, 3]), np.array([0, 2, 3, 5])
+    as_pool = lambda a: by_slot(np.array(a.astype(MX_DTYPES[pool]).astype(mx.float32)))
+    np.testing.assert_array_equal(as_pool(out[2])[rows], np.array(out[1].astype(MX_DTYPES[pool]).astype(mx.float32))[toks])
+    np.testing.assert_array_equal(as_pool(out[3])[rows], np.array(inputs[2].astype(MX_DTYPES[pool]).astype(mx.float32))[toks])
 
 
 @pytest.mark.parametrize("hpt", [1, 2, 3, 4, 8])

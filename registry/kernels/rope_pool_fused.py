@@ -3,9 +3,10 @@
 Contract (docs/kernel-abi.md):
     rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, rope)
         -> (q_rot, k_rot, k_pool, v_pool)
-q [T, Hq, D], k and v [T, Hkv, D], positions and slots int32 [T], all float arrays of one dtype
-(f16/bf16/f32). The pools (both of one shape) are slot-major [S, Hkv, D] (slot s is row s) or
-head-major [B, Hkv, S, D] (mlx-lm's KVCache layout; slot = b * S + s), told apart by their rank.
+q [T, Hq, D], k and v [T, Hkv, D] of one float dtype (f16/bf16/f32), positions and slots int32 [T].
+The pools (one shape, one float dtype, which may differ from q's: rows are converted on the store)
+are slot-major [S, Hkv, D] (slot s is row s) or head-major [B, Hkv, S, D] (mlx-lm's KVCache
+layout; slot = b * S + s), told apart by their rank.
 The first `rope.rotary_dims` features rotate, the rest pass through (in the outputs and the pool).
 slots[t] < 0 rotates only; slots[t] >= the pool's slot count (S, or B * S) is an error.
 The pools come back updated; the native path updates them in place (the returned arrays share the
@@ -70,10 +71,16 @@ def validate(q, k, v, positions, slots, k_pool, v_pool, rope: RopeConfig) -> Non
                 f"head-major [batch, n_kv_heads, rows, head_dim] (4-D) pool, got shape {_shape(named[name])}")
     if q.dtype not in _DTYPES:
         raise KernelArgumentError(f"rope_pool_fused: q dtype {q.dtype} is not float16, bfloat16 or float32")
-    for name in ("k", "v", "k_pool", "v_pool"):
+    for name in ("k", "v"):
         if named[name].dtype != q.dtype:
             raise KernelArgumentError(f"rope_pool_fused: {name} dtype {named[name].dtype} differs from "
-                                      f"q dtype {q.dtype}; all of q, k, v, k_pool, v_pool must match")
+                                      f"q dtype {q.dtype}; q, k and v must match")
+    if k_pool.dtype not in _DTYPES:
+        raise KernelArgumentError(f"rope_pool_fused: k_pool dtype {k_pool.dtype} is not float16, bfloat16 or "
+                                  f"float32 (a pool may differ from q's dtype, but must be one of these)")
+    if v_pool.dtype != k_pool.dtype:
+        raise KernelArgumentError(f"rope_pool_fused: v_pool dtype {v_pool.dtype} differs from k_pool dtype "
+                                  f"{k_pool.dtype}; the pools must match")
     T, Hq, D = q.shape
     if k.shape != v.shape:
         raise KernelArgumentError(f"rope_pool_fused: k {_shape(k)} and v {_shape(v)} must have the same shape")
@@ -268,7 +275,8 @@ class RopePoolFusedKernel:
                        head_dim=D, rotary_dims=self.rope.rotary_dims, traditional=int(self.rope.traditional),
                        heads_per_thread=hpt, pos_scale=self.rope.pos_scale, mscale=self.rope.mscale,
                        pool_layout=pool_layout)
-        return self._launcher.plan(_DTYPES[q.dtype], scalars, grid=grid, threadgroup=group)
+        act, pool = _DTYPES[q.dtype], _DTYPES[k_pool.dtype]
+        return self._launcher.plan(act if act == pool else f"{act}/{pool}", scalars, grid=grid, threadgroup=group)
 
     def __call__(self, q, k, v, positions, slots, k_pool, v_pool, *, check_slots: bool = True):
         # Hot path: one dict lookup on the shape/dtype signature, then one extension call.
