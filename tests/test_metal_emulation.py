@@ -21,7 +21,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from registry.kernels.rope_pool_fused import RopePoolFusedKernel, metal_geometry, pick_heads_per_thread
+from registry.errors import KernelArgumentError
+from registry.kernels.rope_pool_fused import (RopePoolFusedKernel, metal_geometry, pick_heads_per_thread,
+                                              rope_pool_fused_reference)
 from registry.manifest import load_manifest
 from registry.paths import PROJECT_ROOT
 from tests._oracle import by_slot, rope_pool_numpy
@@ -274,6 +276,29 @@ def test_wrapper_path_with_unchecked_out_of_range_slots(library, batch):
     inputs = make_case(4, 8, 8, 64, 4, "float16", slots, batch=batch)
     out = emulated_kernel(library, rope)(*inputs, check_slots=False)
     check_against_oracle(out, inputs, rope, "float16")
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["slot-major", "head-major"])
+def test_checked_calls_refuse_duplicate_slots_and_positions_beyond_fp32(library, batch):
+    kernel = emulated_kernel(library, rope_variant("full-base", 64))
+    q, k, v, pos, slots, kp, vp = make_case(4, 4, 2, 64, 4, "float32", [1, 3, -1, 1], batch=batch)
+    with pytest.raises(KernelArgumentError, match=r"slots\[3\]=1 repeats slots\[0\]"):
+        kernel(q, k, v, pos, slots, kp, vp)
+    with pytest.raises(KernelArgumentError, match=r"positions\[2\]=-3 is outside \[0, 2\^24"):
+        kernel(q, k, v, mx.array([0, 1, -3, 2], dtype=mx.int32), mx.array([0, 1, 2, 3], dtype=mx.int32), kp, vp)
+    assert kernel._launcher._ext.launches == 0   # refused before any launch
+
+
+@pytest.mark.parametrize("variant", ["full-base", "partial-traditional"])
+def test_unchecked_extreme_positions_match_the_reference(library, variant):
+    """Negative, > 2^24 and INT32 extreme positions: the Metal kernel's fp32 angles are the
+    reference's (and the CPU kernel's, tests/test_rope_pool_limits.py)."""
+    rope = rope_variant(variant, 64)
+    args = list(make_case(8, 4, 2, 64, 8, "float32", list(range(8))))
+    args[3] = mx.array([-1, -5000, INT32_MAX, INT32_MIN, 2**24, 2**24 + 1, 123456789, 0], dtype=mx.int32)
+    got = emulated_kernel(library, rope)(*args, check_slots=False)
+    for name, g, r in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, rope_pool_fused_reference(*args, rope=rope)):
+        np.testing.assert_allclose(to_np(g), to_np(r), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 def mutated(cache: Path, old: str, new: str, source: Path = SOURCE) -> Path:

@@ -205,7 +205,7 @@ def test_pending_lazy_reader_of_the_old_pool_observes_the_write(native_artifacts
     lazy_pool = vp_new * 1
     old = np.array(vp_new)
     reader = lazy_pool[1] + 0
-    _, _, _, vp_lazy = kernel(*args[:4], mx.array([1, 1, 1], dtype=mx.int32), kp_new, lazy_pool)
+    _, _, _, vp_lazy = kernel(*args[:4], mx.array([-1, -1, 1], dtype=mx.int32), kp_new, lazy_pool)
     mx.eval(vp_lazy)
     np.testing.assert_array_equal(np.array(reader), old[1])
     np.testing.assert_array_equal(np.array(vp_lazy[1]), np.array(args[2][2]))
