@@ -1,7 +1,7 @@
 // rope_pool_fused, CUDA entry points (docs/kernel-abi.md): one launch rotates q and k, stores the
 // rotated k and the unchanged v into the slot-indexed pools (slot-major [S, Hkv, D] or head-major
 // [B, Hkv, S, D]; pool_offset, as in the CPU kernel). The pools may hold another float type P than
-// q/k/v (T): the k_out / v values are converted on the store (to_pool).
+// q/k/v (T): the k_out / v values are converted on the store (store_pool).
 //
 // Work decomposition. A row (one head of one token) is split into units of W-element vectors
 // (W = 16 bytes / element size when the row layout allows it, else smaller, down to 1):
@@ -50,23 +50,28 @@ __device__ __forceinline__ long long pool_offset(int slot, int h, const Params& 
   return ((static_cast<long long>(b) * p.n_kv_heads + h) * p.pool_rows + s) * p.head_dim;
 }
 
-// A vector of T as the pool's type P: the same bits when P is T, else each element converted.
-template <typename P, typename T, int W>
-__device__ __forceinline__ Vec<P, W> to_pool(const Vec<T, W>& x) {
-  if constexpr (std::is_same<P, T>::value) {
-    return x;
-  } else {
-    Vec<P, W> y;
-#pragma unroll
-    for (int j = 0; j < W; ++j) y.v[j] = Cvt<P>::store(Cvt<T>::load(x.v[j]));
-    return y;
-  }
-}
-
 template <typename T, int W>
 __device__ __forceinline__ Vec<T, W> load_vec(const T* p) { return *reinterpret_cast<const Vec<T, W>*>(p); }
 template <typename T, int W>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, W>& x) { *reinterpret_cast<Vec<T, W>*>(p) = x; }
+
+// A T-vector into the pool as P: the same bits when P is T, else each element converted, in
+// accesses of at most 16 bytes (a P wider than T splits the unit; each part stays aligned).
+template <typename P, typename T, int W>
+__device__ __forceinline__ void store_pool(P* dst, const Vec<T, W>& x) {
+  if constexpr (std::is_same<P, T>::value) {
+    store_vec<T, W>(dst, x);
+  } else {
+    constexpr int C = sizeof(P) * W > 16 ? 16 / static_cast<int>(sizeof(P)) : W;  // elements per access
+#pragma unroll
+    for (int c = 0; c < W; c += C) {
+      Vec<P, C> y;
+#pragma unroll
+      for (int j = 0; j < C; ++j) y.v[j] = Cvt<P>::store(Cvt<T>::load(x.v[c + j]));
+      store_vec<P, C>(dst + c, y);
+    }
+  }
+}
 
 // Rotate the W pairs of one unit. Half-split (and W == 1, where a and b are the two members of one
 // traditional pair): pair j = (a[j], b[j]). Traditional with W >= 2: a holds pairs 0..W/2-1 and b
@@ -152,14 +157,14 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
       rotate_unit<T, W>(a, b, c, s, trad, p.mscale);
       store_vec<T, W>(out + off_b, b);
       if (write) {
-        store_vec<P, W>(k_pool + dst + off_b, to_pool<P>(b));
-        store_vec<P, W>(v_pool + dst + off_b, to_pool<P>(load_vec<T, W>(v + row + off_b)));
+        store_pool<P>(k_pool + dst + off_b, b);
+        store_pool<P>(v_pool + dst + off_b, load_vec<T, W>(v + row + off_b));
       }
     }
     store_vec<T, W>(out + off_a, a);
     if (write) {
-      store_vec<P, W>(k_pool + dst + off_a, to_pool<P>(a));
-      store_vec<P, W>(v_pool + dst + off_a, to_pool<P>(load_vec<T, W>(v + row + off_a)));
+      store_pool<P>(k_pool + dst + off_a, a);
+      store_pool<P>(v_pool + dst + off_a, load_vec<T, W>(v + row + off_a));
     }
   }
 }
@@ -175,7 +180,8 @@ __device__ __forceinline__ int pick_width(const Params& p) {
 }
 
 // The width follows the activations' type T (16-byte q/k/v accesses); the pool's accesses are
-// W * sizeof(P) bytes, aligned likewise (every row starts on a multiple of head_dim, which W divides).
+// W * sizeof(P) bytes, at most 16 (store_pool), aligned likewise: every row starts on a multiple of
+// head_dim, which W divides.
 template <typename T, typename P>
 __device__ void dispatch(const T* q, const T* k, const T* v, T* q_out, T* k_out, P* k_pool, P* v_pool,
                          const int32_t* positions, const int32_t* slots, const float* inv_freq, const Params& p) {
