@@ -5,6 +5,8 @@ the CPU in CI, the GPU on the GPU host (tests/gpu/run_on_host.sh)."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import pytest
 
@@ -27,6 +29,7 @@ def test_decode_soak_never_copies_a_pool(native_artifacts, evaluate):
     for step in range(STEPS):
         if step == 8:                                   # steady state from here on
             mx.synchronize()
+            gc.collect()                                # earlier tests' garbage is not the soak's
             baseline, stats = mx.get_active_memory(), native.stats()
         slot = step % POOL
         pos = mx.array([step], dtype=mx.int32)
@@ -41,8 +44,9 @@ def test_decode_soak_never_copies_a_pool(native_artifacts, evaluate):
             h = h + (ctx * 0).astype(h.dtype)
         run(h)
     mx.synchronize()
+    gc.collect()
     after = native.stats()
     assert after["copies"] == stats["copies"], "a pool was copied in steady state"
     assert after["aliased"] - stats["aliased"] == 2 * LAYERS * (STEPS - 8)
-    assert mx.get_active_memory() == baseline, "active memory grew during the soak"
+    assert mx.get_active_memory() <= baseline, "active memory grew during the soak"
     assert [data_ptr(p) for pair in pools for p in pair] == first
