@@ -48,5 +48,8 @@ def test_decode_soak_never_copies_a_pool(native_artifacts, evaluate):
     after = native.stats()
     assert after["copies"] == stats["copies"], "a pool was copied in steady state"
     assert after["aliased"] - stats["aliased"] == 2 * LAYERS * (STEPS - 8)
-    assert mx.get_active_memory() <= baseline, "active memory grew during the soak"
+    # Flat: a leak of one pool (256 KiB) or of a few bytes per step (x 992 steps) would show; MLX's
+    # own one-off small allocations (seen: up to 192 bytes either way) do not.
+    growth = mx.get_active_memory() - baseline
+    assert growth < 1024, f"active memory grew by {growth} bytes during the soak"
     assert [data_ptr(p) for pair in pools for p in pair] == first
