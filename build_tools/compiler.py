@@ -319,6 +319,9 @@ def build_unit(unit: Unit, opts: _Options) -> UnitResult:
                 raise BuildError(unit.label, None, "the sources changed while compiling; run compile again",
                                  _sources(unit))
             final = out / unit.rel_dir() / unit.file_name(key)
+            if not _inside(out, final.parent):   # never write (or prune) through a symlink
+                raise BuildError(unit.label, None, f"refused: {out / unit.rel_dir()} is or passes through a "
+                                                   f"symlink; remove it", _sources(unit))
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(r.output, final)
             new = IndexEntry(kernel=unit.spec.name, target=unit.target, arch=unit.arch,

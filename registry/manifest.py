@@ -368,7 +368,8 @@ class _Checker:
             try:
                 out.append(compile_requirement(text, reason))
             except ExprError as e:
-                self.err(holder, "expr" if holder is not d else key, f"{fname}: `{text}`: {e}")
+                shown = text if len(text) <= 80 else text[:80] + "..."
+                self.err(holder, "expr" if holder is not d else key, f"{fname}: `{shown}`: {e}")
         return tuple(out)
 
 
