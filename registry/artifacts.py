@@ -396,8 +396,11 @@ def verify_entry(directory: Path, entry: IndexEntry, current: SourceInputs,
     if entry.source_digest != current.digest:
         return f"{path} is stale ({why_stale(entry, current)})", None
     if entry.entries != spec.entries:
-        return (f"{path}: the index lists entries {_short(entry.entries)}, kernels.yaml {_short(spec.entries)} "
-                f"(refused: an entry symbol of another dtype would run with the wrong element size)"), None
+        diff = [f"{dt}: {_short(entry.entries.get(dt))} in the index, {_short(spec.entries.get(dt))} in kernels.yaml"
+                for dt in sorted(set(entry.entries) | set(spec.entries), key=str)
+                if entry.entries.get(dt) != spec.entries.get(dt)]
+        return (f"{path}: the index's entries differ from kernels.yaml ({'; '.join(diff[:3])}) (refused: an "
+                f"entry symbol of another dtype would run with the wrong element size)"), None
     try:
         data = read_confined(directory, want, MAX_ARTIFACT_BYTES)
     except FileNotFoundError:

@@ -245,7 +245,8 @@ def test_toy_lookup_baseline(toy):
 
 INDEX_CASES = {
     # item: (edit of the index entry, expected in the reason)
-    "5 entries not the manifest's": (dict(entries={"float32": "other_f32"}), "the index lists entries"),
+    "5 entries not the manifest's": (dict(entries={"float32": "other_f32"}),
+                                      "float32: 'other_f32' in the index, 'toy_f32' in kernels.yaml"),
     "6 absolute file": (dict(file="/etc/passwd"), "is '/etc/passwd', not toy/cpu/toy."),
     "6 dotdot file": (dict(file="../victim/keep.txt"), "is '../victim/keep.txt', not toy/cpu/"),
     "13 file int": (dict(file=123), "artifacts[0].file: expected a relative path string, got int 123"),
