@@ -140,6 +140,8 @@ def list_cmd(out_dir, only, as_json, manifest) -> None:
     from .compiler import artifact_states
 
     m = _load(manifest)
+    if any(not o.replace(",", " ").split() for o in only):
+        _fail("--only: an empty value; give kernel names, or leave the option out", 2)
     dirs = [out_dir] if out_dir else artifact_dirs()
     try:
         states = artifact_states(m, dirs, list(only) or None)

@@ -406,6 +406,12 @@ def test_bad_compile_arguments(toy, args, expected):
     assert r.exit_code == 2 and expected in r.output
 
 
+@pytest.mark.parametrize("only", ["", "../victim"])
+def test_bad_list_only(toy, only):
+    r = run("list", "--manifest", toy / "kernels.yaml", "--out", toy / "out", "--only", only)
+    assert r.exit_code == 2 and "only: " in r.output
+
+
 def test_doctor_with_a_missing_manifest_fails(tmp_path):
     r = run("doctor", "--manifest", tmp_path / "missing.yaml")
     assert r.exit_code == 1 and "manifest not found" in r.output
