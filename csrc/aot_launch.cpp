@@ -53,59 +53,6 @@ bool AotLaunch::is_equivalent(const mx::Primitive& other) const {
          args_.scalars == o.args_.scalars && args_.grid == o.args_.grid && args_.group == o.args_.group;
 }
 
-// ----------------------------------------------------------------------------- pool lineage
-
-namespace {
-
-// Every buffer this launcher has aliased, mapped to the array that was its in-place input the last
-// time. Between two launches on one pool, that previous input may still be alive: the caller may
-// hold it (the documented contract: it shares storage with the returned pool) and MLX keeps a
-// launch's inputs until its work has run. Holding it here too makes that owner permanent, so the
-// buffer's owner count is predictable: the pool + its previous input, + 1 per view. An entry whose
-// pool its user dropped (the entry is the last owner) is released at the next launch.
-// Intentionally leaked: at process exit its arrays must not be freed after MLX's allocator is gone.
-std::mutex pools_mu;
-auto& pools = *new std::unordered_map<const mx::allocator::Data*, mx::array>();
-
-void prune_pools_locked() {
-  for (auto it = pools.begin(); it != pools.end();) {
-    it = it->second.data_shared_ptr().use_count() == 1 ? pools.erase(it) : std::next(it);
-  }
-}
-
-}  // namespace
-
-void remember_pool(const mx::array& in) {
-  std::lock_guard<std::mutex> lock(pools_mu);
-  pools.insert_or_assign(in.data_shared_ptr().get(), in);
-}
-
-bool computed_pool_alias_ok(const mx::array& a) {
-  const auto& data = a.data_shared_ptr();
-  std::lock_guard<std::mutex> lock(pools_mu);
-  prune_pools_locked();
-  auto it = pools.find(data.get());
-  const bool lineage = it != pools.end();
-  if (!a.is_available()) {
-    // Still running (async_eval): MLX holds references to the buffer for the work in flight, which
-    // cannot be told from views. A pool this launcher wrote before is trusted (the contract); any
-    // other buffer is left to copy-on-write.
-    return lineage;
-  }
-  if (data.use_count() <= (lineage ? 2 : 1)) return true;
-  // Another owner: a view, an alias, or a reference MLX has not released yet. Copy-on-write decides
-  // when the graph runs, exactly; forgetting the entry lets it take the buffer by donation if by then
-  // nothing else holds it.
-  if (lineage) pools.erase(it);
-  return false;
-}
-
-size_t release_retired_pools() {
-  std::lock_guard<std::mutex> lock(pools_mu);
-  prune_pools_locked();
-  return pools.size();
-}
-
 void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const auto& input_of = bin_->input_of;
   const auto& output_of = bin_->output_of;
@@ -125,7 +72,7 @@ void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vecto
       // The deliberate alias: the output *is* the pool buffer, registered as an output below so that
       // MLX orders every later reader after this kernel.
       outputs[output_of[b]].copy_shared_buffer(in);
-      remember_pool(in);
+      record_inplace_write(in);
     }
   }
 }
@@ -164,29 +111,8 @@ mx::array cow_guard(const mx::array& a, mx::StreamOrDevice s) {
   return mx::scatter(a, {idx}, upd, {0}, s);
 }
 
-bool inplace_alias_ok(const std::vector<mx::array>& inputs, int i) {
-  const mx::array& a = inputs[i];
-  for (size_t j = 0; j < inputs.size(); ++j) {
-    if (static_cast<int>(j) != i && inputs[j].id() == a.id()) return false;  // passed twice: two writers
-  }
-  if (a.status() == mx::array::Status::unscheduled) {
-    // Not computed yet, so its buffer is unknown. The returned pool of an earlier launch (an engine
-    // that evaluates once per several steps) will be that launch's in-place buffer: alias it, as the
-    // evaluated case below would. Any other lazy array (a fresh mx.zeros, a lazy slice or view of
-    // another array) goes through copy-on-write, which MLX resolves when it runs.
-    if (!a.has_primitive() || typeid(a.primitive()) != typeid(AotLaunch)) return false;
-    const auto& producer = static_cast<const AotLaunch&>(a.primitive()).binary();
-    for (size_t b = 0; b < producer.roles.size(); ++b) {
-      if (producer.output_of[b] == a.sibling_position()) return producer.roles[b] == kInplace;
-    }
-    return false;
-  }
-  // Computed: alias only a row-contiguous buffer that no other array shares (computed_pool_alias_ok).
-  return a.flags().row_contiguous && computed_pool_alias_ok(a);
-}
-
 std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args,
-                              std::vector<mx::array> inputs, mx::StreamOrDevice s) {
+                              std::vector<mx::array> inputs, mx::StreamOrDevice s, std::vector<Copied>* copied) {
   const std::string& entry = args->entry;
   if (static_cast<int>(inputs.size()) != bin->n_inputs) {
     throw std::invalid_argument("[mlx_aot] " + entry + ": expected " + std::to_string(bin->n_inputs) +
@@ -210,9 +136,15 @@ std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shar
   }
   // Decide every in-place input on the arrays as passed, before any is replaced by a guard.
   std::vector<bool> alias(inputs.size(), false);
+  int n_alias = 0, n_copy = 0;
   for (size_t b = 0; b < bin->roles.size(); ++b) {
-    if (bin->roles[b] == kInplace) alias[input_of[b]] = inplace_alias_ok(inputs, input_of[b]);
+    if (bin->roles[b] != kInplace) continue;
+    InplaceDecision d = decide_inplace(inputs, input_of[b], s);
+    alias[input_of[b]] = d.alias;
+    d.alias ? ++n_alias : ++n_copy;
+    if (!d.alias && copied) copied->push_back({static_cast<int>(b), d.reason});
   }
+  count_launch(n_alias, n_copy);
   for (size_t b = 0; b < bin->roles.size(); ++b) {
     if (input_of[b] < 0) continue;
     auto& a = inputs[input_of[b]];
