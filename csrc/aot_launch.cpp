@@ -2,7 +2,13 @@
 #include "aot_launch.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -176,27 +182,88 @@ namespace {
 
 using CpuEntry = void (*)(void**);
 
-CpuEntry cpu_entry(const std::string& path, const std::string& entry) {
-  static std::mutex mu;
-  static std::unordered_map<std::string, void*> libs;
-  static std::unordered_map<std::string, CpuEntry> fns;
-  std::lock_guard<std::mutex> lock(mu);
-  const std::string key = path + "\n" + entry;
-  auto it = fns.find(key);
-  if (it != fns.end()) return it->second;
-  void*& lib = libs[path];
-  if (lib == nullptr) {
-    lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+bool write_all(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// dlopen the verified bytes, not the artifact file: they go to an anonymous memfd (Linux) or, where
+// that is missing or not executable, a private mkstemp file unlinked once loaded. A memfd stays open
+// for the life of the process, so its /proc/self/fd name is never reused for other bytes (dlopen
+// returns an already loaded library of the same name); a temp file's name carries the content key,
+// so a reused name can only ever mean the same bytes.
+void* dlopen_image(const KernelBinary& bin, std::string& error) {
+  error.clear();
+#ifdef __linux__
+  int mfd = -1;
+#ifdef MFD_EXEC
+  mfd = memfd_create("mlx_aot", MFD_CLOEXEC | MFD_EXEC);  // vm.memfd_noexec=1 wants exec spelt out
+#endif
+  if (mfd < 0) mfd = memfd_create("mlx_aot", MFD_CLOEXEC);
+  if (mfd >= 0) {
+    if (write_all(mfd, bin.image)) {
+      const std::string name = "/proc/self/fd/" + std::to_string(mfd);
+      if (void* lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL)) return lib;  // mfd intentionally kept
+      const char* err = dlerror();
+      error = std::string("memfd: ") + (err ? err : "?") + "; ";
+    }
+    ::close(mfd);
+  }
+#endif
+  std::string safe_key = bin.key;
+  for (char& c : safe_key) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  }
+  const char* tmp = std::getenv("TMPDIR");
+  std::string name = std::string(tmp && *tmp ? tmp : "/tmp") + "/" + safe_key.substr(0, 120) + "_XXXXXX";
+  int fd = mkstemp(name.data());
+  if (fd < 0) {
+    error += "cannot create a temp file in " + name + ": " + std::strerror(errno);
+    return nullptr;
+  }
+  void* lib = nullptr;
+  if (write_all(fd, bin.image) && ::fsync(fd) == 0) {
+    lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) {
       const char* err = dlerror();
-      libs.erase(path);
-      throw std::runtime_error("[mlx_aot] cannot load CPU artifact " + path + ": " + (err ? err : "?") +
+      error += err ? err : "?";
+    }
+  } else {
+    error += "cannot write " + name + ": " + std::strerror(errno);
+  }
+  ::unlink(name.c_str());
+  ::close(fd);
+  return lib;
+}
+
+CpuEntry cpu_entry(const KernelBinary& bin, const std::string& entry) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, void*> libs;  // by content key; intentionally never closed
+  static std::unordered_map<std::string, CpuEntry> fns;
+  std::lock_guard<std::mutex> lock(mu);
+  const std::string key = bin.key + "\n" + entry;
+  auto it = fns.find(key);
+  if (it != fns.end()) return it->second;
+  void*& lib = libs[bin.key];
+  if (lib == nullptr) {
+    std::string err;
+    lib = bin.image.empty() ? nullptr : dlopen_image(bin, err);
+    if (lib == nullptr) {
+      libs.erase(bin.key);
+      throw std::runtime_error("[mlx_aot] cannot load CPU artifact " + bin.path + " from its verified bytes: " +
+                               (bin.image.empty() ? std::string("no bytes") : err) +
                                "; rebuild it with `python -m build_tools compile --target cpu`");
     }
   }
   auto fn = reinterpret_cast<CpuEntry>(dlsym(lib, entry.c_str()));
   if (fn == nullptr) {
-    throw std::runtime_error("[mlx_aot] " + path + " has no entry " + entry);
+    throw std::runtime_error("[mlx_aot] " + bin.path + " has no entry " + entry);
   }
   fns[key] = fn;
   return fn;
@@ -223,7 +290,7 @@ void AotLaunch::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       ptrs[b] = const_cast<void*>(inputs[input_of[b]].data<void>());
     }
   }
-  CpuEntry fn = cpu_entry(bin_->path, args_.entry);
+  CpuEntry fn = cpu_entry(*bin_, args_.entry);
   // The task owns copies of the pointers and scalars; MLX's CPU eval keeps the input buffers alive
   // until the task has run.
   enc.dispatch([fn, ptrs = std::move(ptrs), scalars = args_.scalars]() mutable {

@@ -22,8 +22,9 @@ enum ScalarType : int { kInt32 = 0, kFloat32 = 1 };
 
 // What does not change between calls of one kernel on one artifact.
 struct KernelBinary {
-  std::string key;                 // unique per artifact (kernel name + file sha): library/module cache key
-  std::string path;                // the artifact file
+  std::string key;                 // unique per artifact (kernel name + content sha): library/module cache key
+  std::string path;                // the artifact file, for messages only: it is never read here
+  std::string image;               // the artifact's bytes, verified by registry/artifacts.py; what is loaded
   std::string target;              // "cpu" | "cuda" | "metal"
   std::vector<int> roles;          // per buffer, signature order
   std::vector<int> like;           // per buffer: outputs -> buffer index giving shape/dtype, else -1

@@ -21,7 +21,9 @@ NB_MODULE(_ext, m) {
       .def("__init__",
            [](KernelBinary* self, std::string key, std::string path, std::string target, std::vector<int> roles,
               std::vector<int> like, std::vector<int> scalar_types, std::vector<int> specialize,
-              std::vector<std::string> dtypes) {
+              std::vector<std::string> dtypes, nb::bytes image) {
+             if (image.size() == 0)
+               throw std::invalid_argument("image is empty: an artifact is loaded from its verified bytes");
              if (roles.size() != like.size() || roles.size() != dtypes.size())
                throw std::invalid_argument("roles, like and dtypes differ in length");
              if (scalar_types.size() != specialize.size())
@@ -29,6 +31,7 @@ NB_MODULE(_ext, m) {
              auto* b = new (self) KernelBinary();
              b->key = std::move(key);
              b->path = std::move(path);
+             b->image.assign(image.c_str(), image.size());
              b->target = std::move(target);
              b->roles = std::move(roles);
              b->like = std::move(like);
@@ -44,7 +47,8 @@ NB_MODULE(_ext, m) {
              }
              mlx_aot::index_buffers(*b);
            },
-           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a, "dtypes"_a)
+           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a, "dtypes"_a,
+           "image"_a)
       .def_ro("key", &KernelBinary::key)
       .def_ro("path", &KernelBinary::path)
       .def_ro("target", &KernelBinary::target);

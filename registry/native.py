@@ -1,14 +1,17 @@
 """Python side of the generic AOT launcher (csrc/, module registry._ext).
 
 One lifecycle for every backend, run once when a kernel set is built (never per call):
-find the artifact (registry.artifacts.lookup) -> verify it (source digest + sha256) -> load it into
-a Launcher; otherwise return None and the reason, and the kernel object falls back to its
-reference path. MLX_AOT_DISABLE_NATIVE forces the fallback; MLX_AOT_REQUIRE_NATIVE turns the
-fallback into an error that carries the fix.
+find the artifact (registry.artifacts.lookup) -> verify it (source digest, size, sha256, entry
+symbols, on bytes read once) -> hand those verified bytes to the extension, which loads them from
+memory (never the file again, so a file swapped after the check is never run); otherwise return
+None and the reason, and the kernel object falls back to its reference path.
+MLX_AOT_DISABLE_NATIVE forces the fallback; MLX_AOT_REQUIRE_NATIVE turns the fallback into an error
+that carries the fix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import numbers
@@ -67,7 +70,10 @@ def _i32_bits(name: str, value: Any) -> int:
 class Launcher:
     """A loaded artifact of one kernel for one backend: `launch(...)` builds one lazy MLX primitive."""
 
-    def __init__(self, spec: KernelSpec, backend: str, path: str, entries: dict[str, str], ext: Any):
+    def __init__(self, spec: KernelSpec, backend: str, path: str, entries: dict[str, str], ext: Any,
+                 image: bytes | None = None):
+        """`image`: the verified artifact bytes the extension loads (registry._ext requires them; a
+        stand-in extension such as the Metal emulation's may take none). `path` names it in messages."""
         sig = spec.signature
         names = [b.name for b in sig.buffers]
         self.spec = spec
@@ -82,14 +88,16 @@ class Launcher:
         by_name = {b.name: b for b in sig.buffers}
         self._buffer_groups = [(b.dtype, by_name[b.like].dtype_group if b.like else b.dtype_group)
                                for b in sig.buffers]
+        # The key names one exact binary: the launcher caches loaded modules and libraries under it.
+        digest = hashlib.sha256(image).hexdigest()[:32] if image is not None else Path(path).name
+        kw = {} if image is None else {"image": image}
         self._binary = ext.KernelBinary(
-            # Artifact file names carry their content key, so this names one exact binary.
-            key=f"mlx_aot_{Path(path).name}", path=path, target=backend,
+            key=f"mlx_aot_{spec.name}_{digest}", path=path, target=backend,
             roles=[_ROLE[b.role] for b in sig.buffers],
             like=[names.index(b.like) if b.like else -1 for b in sig.buffers],
             dtypes=[b.dtype or "" for b in sig.buffers],
             scalar_types=[1 if f else 0 for f in self._scalar_is_float],
-            specialize=[int(s.specialize) for s in sig.scalars])
+            specialize=[int(s.specialize) for s in sig.scalars], **kw)
         self._buffer_names = names
         self.copies = 0
         self._binary.on_copy = self._on_copy  # called by the extension, only when a pool is copied
@@ -188,7 +196,7 @@ def _load(spec: KernelSpec, backend: str) -> Launcher:
     found = lookup(spec, backend, arch=arch)
     if found.path is None:
         raise ArtifactError(found.reason)
-    launcher = Launcher(spec, backend, str(found.path), found.entries, ext)
+    launcher = Launcher(spec, backend, str(found.path), found.entries, ext, image=found.data)
     launcher.reason = found.reason
     return launcher
 
