@@ -93,7 +93,8 @@ setup(
         # Linux: plain `mlx` has no libmlx; pick the CPU or the CUDA 13 build.
         "cpu": ["mlx[cpu]==0.32.4"],
         "cuda13": ["mlx[cuda13]==0.32.4"],
-        "test": ["pytest>=8", "mlx-lm==0.32.2", "matplotlib>=3.7"],
+        # nanobind: its headers, for the Metal launcher type-check (tests/test_metal_launcher_compiles.py)
+        "test": ["pytest>=8", "mlx-lm==0.32.2", "matplotlib>=3.7", "nanobind==3.0.1"],
     },
     entry_points={"console_scripts": ["mlx-aot-kernels=build_tools.cli:cli"]},
 )
