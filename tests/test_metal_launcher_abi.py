@@ -73,7 +73,7 @@ class _RecordingExt:
     """The registry._ext calls registry.native.Launcher makes, kept as plain values."""
     @staticmethod
     def KernelBinary(**kw):  # noqa: N802
-        return SimpleNamespace(**kw)
+        return SimpleNamespace(kwargs=kw, **kw)
 
     @staticmethod
     def LaunchArgs(entry, scalars, grid, threadgroup, dtype):  # noqa: N802
@@ -95,6 +95,7 @@ class LauncherAbi:
     constants: dict[int, tuple[str, str]] = field(default_factory=dict)  # index -> (scalar, int|float)
     dispatches: list[tuple[str, tuple, tuple]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)                   # what is wrong on the launcher's side
+    pipeline: bool = False       # the encoder got the pipeline get_kernel returned, before any dispatch
 
 
 def run_launcher(probe: Path, spec, dtype: str, grid=GRID, group=GROUP) -> LauncherAbi:
@@ -139,23 +140,25 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
                 abi.problems.append(f"output {name} at [[buffer({index})]] shares the buffer of input {shares}, "
                                     f"expected {want}")
         elif word == "bytes":
-            on_encoder, index, length, bits = map(int, rest)
+            index, length, bits = map(int, rest)
             s = by_bits.get(bits)
             bind(index, (s.name if s else f"<bits {bits:#x}>", "bytes"))
-            if length != 4 or not on_encoder:
+            if length != 4:
                 abi.problems.append(f"set_bytes at {index}: {length} bytes (scalars are 4)")
         elif word == "constant":
             index, type_, bits, _ = rest[0], rest[1], int(rest[2]), rest[3]
             s = by_bits.get(bits)
             abi.constants[int(index)] = (s.name if s else f"<bits {bits:#x}>", type_)
+        elif word == "pipeline":
+            abi.pipeline = rest[0] == "1" and not abi.dispatches
         elif word in ("dispatch_threads", "dispatch_threadgroups"):
             v = tuple(map(int, rest))
             abi.dispatches.append((word, v[:3], v[3:]))
         elif word == "kernel":
             if rest[0] != plan.entry:
                 abi.problems.append(f"pipeline of function {rest[0]!r}, the plan's entry is {plan.entry!r}")
-        elif word in ("message", "buffer"):
-            abi.problems.append(f"unexpected call: {line}")
+        elif word == "message" and rest[0] == "1" or word == "buffer":
+            abi.problems.append(f"a call on the compute encoder this check does not model: {line}")
     return abi
 
 
@@ -251,6 +254,7 @@ def test_launcher_abi_matches_source_and_docs(probe, emu_cache, kernel, dtype):
     spec = MANIFEST.kernel(kernel)
     abi = run_launcher(probe, spec, dtype)
     assert not abi.problems, abi.problems
+    assert abi.pipeline, "the encoder must get the pipeline of get_kernel before the dispatch"
     n_bytes = sum(not s.specialize for s in spec.signature.scalars)
     assert len(abi.buffers) == len(spec.signature.buffers) + n_bytes, abi.buffers
     binary, plan = python_plan(spec, dtype)
@@ -281,7 +285,7 @@ def test_emulator_binds_like_the_launcher(probe, emu_cache, kernel):
     emu.library = SimpleNamespace(run=lambda entry, host, constants, grid, group, **kw: seen.update(
         entry=entry, host=host, constants=constants, grid=grid, group=group) or host)
     binary, plan = python_plan(spec, dtype)
-    binary = emu.KernelBinary(**vars(binary))
+    binary = emu.KernelBinary(**binary.kwargs)
     plan = emu.LaunchArgs(plan.entry, plan.scalars, plan.grid, plan.group, plan.dtype)
     arrays = []
     for b in spec.signature.inputs:

@@ -7,6 +7,8 @@
 //
 // stdin: entry, dtype, then one line each of roles, like, dtypes ("-" = the entry's), scalar_types,
 // specialize, scalar bits, grid (3) and threadgroup (3); every list starts with its length.
+#include <dispatch/dispatch.h>
+
 #include <Metal/Metal.hpp>
 
 #include <cstdio>
@@ -22,8 +24,8 @@
 namespace mx = mlx::core;
 
 namespace {
-// Raw storage standing for MLX's Device and CommandEncoder objects: every member function eval_gpu
-// reaches is defined below, so none of their fields is ever read.
+// Raw storage standing for MLX's Device and CommandEncoder objects: every out-of-line member function
+// eval_gpu reaches is defined below; the inline ones read zeroed fields (mtl_device() is null).
 alignas(64) unsigned char device_storage[sizeof(mx::metal::Device)];
 alignas(64) unsigned char encoder_storage[sizeof(mx::metal::CommandEncoder)];
 alignas(64) unsigned char mtl_encoder_storage[64];   // the MTL::ComputeCommandEncoder (an ObjC object)
@@ -57,29 +59,40 @@ std::vector<int> read_ints(std::istream& in) {
 }  // namespace
 
 // ---- the Objective-C runtime (libobjc): selectors are their names, classes and protocols null
+// (probe_selectors.cpp registers every metal-cpp selector through it.)
 extern "C" SEL sel_registerName(const char* name) { return reinterpret_cast<SEL>(strdup(name)); }
 extern "C" Class objc_lookUpClass(const char*) { return nullptr; }
 extern "C" Protocol* objc_getProtocol(const char*) { return nullptr; }
 
-// metal-cpp's selectors of the messages eval_gpu sends (a Mac's libmlx defines them all, with
-// MTL_PRIVATE_IMPLEMENTATION). A launcher sending another message fails to link here, naming it.
-SEL MTL::Private::Selector::s_ksetComputePipelineState_ = sel_registerName("setComputePipelineState:");
-SEL MTL::Private::Selector::s_ksetBytes_length_atIndex_ = sel_registerName("setBytes:length:atIndex:");
-
-// Called from probe_msgsend.cpp's objc_msgSend with the message's selector name.
-extern "C" void probe_message(const void* self, const char* sel, uintptr_t a, uintptr_t b, uintptr_t c) {
+// Called from probe_msgsend.cpp's objc_msgSend with the message's selector name. Messages to the
+// compute encoder other than these two would bind or dispatch behind the ABI check's back: they are
+// printed as such. Any other message gets a distinct object back (e.g. a library built from data).
+extern "C" void* probe_message(const void* self, const char* sel, uintptr_t a, uintptr_t b, uintptr_t c) {
+  static unsigned char objects[64][16];
+  static int next_object = 0;
   const bool on_encoder = self == mtl_encoder_storage;
-  if (std::strcmp(sel, "setComputePipelineState:") == 0) {
-    std::printf("pipeline %d %d\n", on_encoder, reinterpret_cast<void*>(a) == mtl_pipeline_storage);
-  } else if (std::strcmp(sel, "setBytes:length:atIndex:") == 0) {
+  if (on_encoder && std::strcmp(sel, "setComputePipelineState:") == 0) {
+    std::printf("pipeline %d\n", reinterpret_cast<void*>(a) == mtl_pipeline_storage);
+    return nullptr;
+  }
+  if (on_encoder && std::strcmp(sel, "setBytes:length:atIndex:") == 0) {
     uint32_t bits = 0;
     if (b == 4) std::memcpy(&bits, reinterpret_cast<const void*>(a), 4);
-    std::printf("bytes %d %lu %lu %u\n", on_encoder, static_cast<unsigned long>(c), static_cast<unsigned long>(b),
-                bits);
-  } else {
-    std::printf("message %s\n", sel);
+    std::printf("bytes %lu %lu %u\n", static_cast<unsigned long>(c), static_cast<unsigned long>(b), bits);
+    return nullptr;
   }
+  std::printf("message %d %s\n", on_encoder, sel);
+  if (std::strncmp(sel, "newLibrary", 10) == 0) return mtl_library_storage;
+  return objects[next_object++ % 64];
 }
+
+// ---- libdispatch, for a metallib loaded from memory (dispatch_data_create + newLibraryWithData:)
+extern "C" dispatch_data_t dispatch_data_create(const void*, size_t size, dispatch_queue_t, dispatch_block_t) {
+  std::printf("dispatch_data %zu\n", size);
+  static dispatch_data_s data;
+  return &data;
+}
+extern "C" void dispatch_release(dispatch_object_t) {}
 
 // ---- libmlx.dylib's Metal backend, as far as eval_gpu reaches it
 namespace mlx::core::metal {
@@ -143,6 +156,12 @@ void CommandEncoder::dispatch_threadgroups(MTL::Size grid, MTL::Size group) {
 
 }  // namespace mlx::core::metal
 
+// A launcher that loads the metallib from verified bytes (KernelBinary::image) gets some.
+template <class Binary>
+void set_image(Binary& bin) {
+  if constexpr (requires { bin.image; }) bin.image = "verified metallib bytes";
+}
+
 // ---- one eval_gpu of a plan read from stdin
 int main() {
   auto bin = std::make_shared<mlx_aot::KernelBinary>();
@@ -150,6 +169,7 @@ int main() {
   bin->key = "mlx_aot_probe.metallib";
   bin->path = "/probe/artifact.metallib";
   bin->target = "metal";
+  set_image(*bin);
   std::cin >> args->entry >> args->dtype;
   bin->roles = read_ints(std::cin);
   bin->like = read_ints(std::cin);

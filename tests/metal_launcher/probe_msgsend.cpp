@@ -4,9 +4,8 @@
 // pointer arguments of the messages eval_gpu sends arrive in registers, as this signature reads them.
 #include <cstdint>
 
-extern "C" void probe_message(const void* self, const char* sel, uintptr_t a, uintptr_t b, uintptr_t c);
+extern "C" void* probe_message(const void* self, const char* sel, uintptr_t a, uintptr_t b, uintptr_t c);
 
 extern "C" void* objc_msgSend(const void* self, const char* sel, uintptr_t a, uintptr_t b, uintptr_t c) {
-  probe_message(self, sel, a, b, c);
-  return nullptr;
+  return probe_message(self, sel, a, b, c);
 }

@@ -151,7 +151,7 @@ def metal_build(include: Path, cmake_lists: Path = CSRC / "CMakeLists.txt") -> M
         defines.append(f"NB_DOMAIN={module[module.index('NB_DOMAIN') + 1]}")
     if "STABLE_ABI" in module and sys.version_info >= (3, 12):
         defines.append("Py_LIMITED_API=0x030C0000")  # nanobind's linked stable ABI, Python >= 3.12 only
-    return MetalBuild(tuple(CSRC / s for s in common + metal), f"-std=c++{std}", tuple(defines))
+    return MetalBuild(tuple(cmake_lists.parent / s for s in common + metal), f"-std=c++{std}", tuple(defines))
 
 
 def syntax_check(sources, flags: list[str], cwd: Path | None = None) -> dict[Path, subprocess.CompletedProcess]:
@@ -171,7 +171,7 @@ def syntax_check(sources, flags: list[str], cwd: Path | None = None) -> dict[Pat
 
 # ----------------------------------------------------------------------------- the launcher probe
 
-PROBE_SOURCES = (HERE / "probe.cpp", HERE / "probe_msgsend.cpp")
+PROBE_SOURCES = (HERE / "probe.cpp", HERE / "probe_msgsend.cpp", HERE / "probe_selectors.cpp")
 
 
 def _libmlx() -> Path:
@@ -185,11 +185,11 @@ def _libmlx() -> Path:
 
 
 def build_probe(cache_dir: Path, include: Path, launcher_dir: Path = CSRC) -> Path:
-    """The probe executable: tests/metal_launcher/probe.cpp + the launcher (aot_launch.cpp and
-    aot_launch_metal.cpp of launcher_dir), linked with the Linux libmlx. Keyed by the sha256 of
+    """The probe executable: tests/metal_launcher/probe*.cpp + the launcher (the Metal build's sources
+    but the bindings, from launcher_dir), linked with the Linux libmlx. Keyed by the sha256 of
     everything that goes into it, under cache_dir/metal_launcher_probe/."""
-    build = metal_build(include)
-    launcher = [launcher_dir / "aot_launch.cpp", launcher_dir / "aot_launch_metal.cpp"]
+    build = metal_build(include, launcher_dir / "CMakeLists.txt")
+    launcher = [launcher_dir / s.name for s in build.sources if s.name != "bindings.cpp"]
     flags = [build.std, "-fblocks", "-O0", f"-I{include}", f"-I{include / 'metal_cpp'}", f"-I{launcher_dir}",
              "-isystem", str(STUBS)]
     lib = _libmlx()
