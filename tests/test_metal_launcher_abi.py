@@ -118,23 +118,25 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
     by_bits = {bits: s for bits, s in zip(plan.scalars, sig.scalars)}
     abi = LauncherAbi()
 
-    def bind(index: int, what: tuple[str, str]) -> None:
+    def bind(index: int, what: tuple[str, str], offset: int = 0) -> None:
         if index in abi.buffers:
             abi.problems.append(f"[[buffer({index})]] bound twice: {abi.buffers[index]} and {what}")
+        if offset:
+            abi.problems.append(f"[[buffer({index})]] {what[0]} bound at byte offset {offset}, not at its start")
         abi.buffers[index] = what
 
     for line in text.splitlines():
         word, *rest = line.split()
         if word == "input":
             index, pos, offset = map(int, rest)
-            bind(index, (inputs[pos], "read"))
+            bind(index, (inputs[pos], "read"), offset)
             if role[inputs[pos]] == "inplace":
                 abi.problems.append(f"in-place {inputs[pos]} bound as an input: the encoder would not order its "
                                     f"readers after the write")
         elif word == "output":
             index, pos, shares, offset = map(int, rest)
             name = outputs[pos]
-            bind(index, (name, "write"))
+            bind(index, (name, "write"), offset)
             want = inputs.index(name) if role[name] == "inplace" else -1
             if shares != want:
                 abi.problems.append(f"output {name} at [[buffer({index})]] shares the buffer of input {shares}, "
@@ -145,10 +147,12 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
             bind(index, (s.name if s else f"<bits {bits:#x}>", "bytes"))
             if length != 4:
                 abi.problems.append(f"set_bytes at {index}: {length} bytes (scalars are 4)")
-        elif word == "constant":
-            index, type_, bits, _ = rest[0], rest[1], int(rest[2]), rest[3]
+        elif word == "constant":  # index, int|float|other, value bits, MTLDataType
+            index, type_, bits = int(rest[0]), rest[1], int(rest[2])
             s = by_bits.get(bits)
-            abi.constants[int(index)] = (s.name if s else f"<bits {bits:#x}>", type_)
+            if index in abi.constants:
+                abi.problems.append(f"function constant {index} set twice")
+            abi.constants[index] = (s.name if s else f"<bits {bits:#x}>", type_)
         elif word == "pipeline":
             abi.pipeline = rest[0] == "1" and not abi.dispatches
         elif word in ("dispatch_threads", "dispatch_threadgroups"):
@@ -159,6 +163,10 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
                 abi.problems.append(f"pipeline of function {rest[0]!r}, the plan's entry is {plan.entry!r}")
         elif word == "message" and rest[0] == "1" or word == "buffer":
             abi.problems.append(f"a call on the compute encoder this check does not model: {line}")
+    passed = [name for name, access in abi.buffers.values() if access == "bytes"] + \
+        [name for name, _ in abi.constants.values()]
+    if sorted(passed) != sorted(s.name for s in sig.scalars):
+        abi.problems.append(f"scalars passed {sorted(passed)}, the signature has {sorted(s.name for s in sig.scalars)}")
     return abi
 
 
@@ -311,36 +319,60 @@ def test_emulator_binds_like_the_launcher(probe, emu_cache, kernel):
 ROPE = MANIFEST.kernel("rope_pool_fused")  # the plants edit its source
 
 
-def _planted(emu_cache, tmp_path, *edits: tuple[str, str]):
-    """The rope kernel's emulator library built from its source with `edits` applied."""
+def _planted(emu_cache, where: Path, *edits: tuple[str, str]):
+    """The rope kernel's emulator library built from its source with `edits` applied, written at a
+    fixed path (`where`, in the cache) so that its runner is cached too."""
     target = ROPE.targets["metal"]
     source = ROPE.root / target.sources[0]
     text = source.read_text()
     for old, new in edits:
         assert old in text, f"{source} no longer contains {old!r}; update the plant"
         text = text.replace(old, new)
-    planted = tmp_path / source.name
+    where.mkdir(parents=True, exist_ok=True)
+    planted = where / source.name
     planted.write_text(text)
     return compile_source(planted, emu_cache, include_dirs=[ROPE.root / d for d in target.include_dirs],
                           std=target.std)
 
 
-def test_planted_shifted_buffer_index_fails(probe, emu_cache, tmp_path):
+def test_planted_shifted_buffer_index_fails(probe, emu_cache, cache_dir):
     """The first set_bytes scalar moved from [[buffer(n_buffers)]] to n_buffers + 7 (template and entries)."""
     n = len(ROPE.signature.buffers)
-    lib = _planted(emu_cache, tmp_path, (f"[[buffer({n})]]", f"[[buffer({n + 7})]]"))
+    lib = _planted(emu_cache, cache_dir / "shifted_buffer", (f"[[buffer({n})]]", f"[[buffer({n + 7})]]"))
     dtype = next(iter(ROPE.entries))
     with pytest.raises(AbiMismatch, match=rf"unbound: \[{n + 7}\], not declared: \[{n}\]"):
         check_against_source(run_launcher(probe, ROPE, dtype), ROPE, dtype, lib.describe(), lib.source)
 
 
-def test_planted_swapped_function_constants_fail(probe, emu_cache, tmp_path):
+def test_planted_swapped_function_constants_fail(probe, emu_cache, cache_dir):
     """Two int constants swapped: indices and types still line up, only the names tell."""
-    lib = _planted(emu_cache, tmp_path, ("N_Q_HEADS [[function_constant(0)]]", "N_Q_HEADS [[function_constant(1)]]"),
+    lib = _planted(emu_cache, cache_dir / "swapped_constants", ("N_Q_HEADS [[function_constant(0)]]", "N_Q_HEADS [[function_constant(1)]]"),
                    ("N_KV_HEADS [[function_constant(1)]]", "N_KV_HEADS [[function_constant(0)]]"))
     dtype = next(iter(ROPE.entries))
     with pytest.raises(AbiMismatch, match=r"function_constant\(0\) is N_KV_HEADS"):
         check_against_source(run_launcher(probe, ROPE, dtype), ROPE, dtype, lib.describe(), lib.source)
+
+
+@pytest.mark.parametrize("good,bad,error", [
+    ("int slot = n_buffers;", "int slot = n_buffers + 1;", r"unbound: \[{n}\], not declared: \[{n2}\]"),
+    ("MTL::DataType::DataTypeFloat : MTL::DataType::DataTypeInt", "MTL::DataType::DataTypeInt : "
+     "MTL::DataType::DataTypeFloat", r"function_constant\(0\) N_Q_HEADS is int, the launcher passes n_q_heads as float"),
+], ids=["scalar-slots-shifted", "constant-types-swapped"])
+def test_planted_launcher_change_fails(metal_headers, cache_dir, emu_cache, tmp_path, good, bad, error):  # noqa: F811
+    """The launcher's mapping comes from its code, not from a model of it: a planted change in
+    csrc/aot_launch_metal.cpp changes what the probe records, and the check fails."""
+    for f in toolchain.CSRC.iterdir():
+        if f.is_file():
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    source = (tmp_path / "aot_launch_metal.cpp").read_text()
+    assert source.count(good) == 1, f"csrc/aot_launch_metal.cpp no longer contains {good!r} once; update the plant"
+    (tmp_path / "aot_launch_metal.cpp").write_text(source.replace(good, bad))
+    planted = toolchain.build_probe(cache_dir, metal_headers, launcher_dir=tmp_path)
+    dtype = next(iter(ROPE.entries))
+    lib = compile_kernel(ROPE, emu_cache)
+    n = len(ROPE.signature.buffers)
+    with pytest.raises(AbiMismatch, match=error.format(n=n, n2=n + 2)):
+        check_against_source(run_launcher(planted, ROPE, dtype), ROPE, dtype, lib.describe(), lib.source)
 
 
 def test_planted_doc_mismatch_fails(probe):

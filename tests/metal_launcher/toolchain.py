@@ -11,6 +11,7 @@ Used by tests/test_metal_launcher_compiles.py and tests/test_metal_launcher_abi.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -154,19 +155,50 @@ def metal_build(include: Path, cmake_lists: Path = CSRC / "CMakeLists.txt") -> M
     return MetalBuild(tuple(cmake_lists.parent / s for s in common + metal), f"-std=c++{std}", tuple(defines))
 
 
-def syntax_check(sources, flags: list[str], cwd: Path | None = None) -> dict[Path, subprocess.CompletedProcess]:
-    """`clang++ -fsyntax-only` of each source, two at a time (CI has two cores)."""
-    cxx = clang()
-    results: dict[Path, subprocess.CompletedProcess] = {}
-    pending = list(sources)
-    while pending:
-        batch, pending = pending[:2], pending[2:]
-        procs = [(s, subprocess.Popen([cxx, "-fsyntax-only", *flags, str(s)], cwd=cwd, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)) for s in batch]
-        for s, p in procs:
+def _run_all(cmds: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Run commands two at a time (CI has two cores)."""
+    done = []
+    for i in range(0, len(cmds), 2):
+        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds[i:i + 2]]
+        for c, p in zip(cmds[i:i + 2], procs):
             out, err = p.communicate()
-            results[s] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-    return results
+            done.append(subprocess.CompletedProcess(c, p.returncode, out, err))
+    return done
+
+
+def syntax_check(sources, flags: list[str], cache: Path | None = None) -> dict[Path, subprocess.CompletedProcess]:
+    """`clang++ -fsyntax-only` of each source. With `cache`, a result is kept under the sha256 of
+    everything the compile reads but the immutable wheel and system headers: the compiler, the
+    flags, the source, the headers beside it, the stand-ins, nanobind's version and Python's."""
+    cxx = clang()
+    sources = list(sources)
+    keys: dict[Path, Path] = {}
+    if cache is not None:
+        import nanobind
+
+        cache.mkdir(parents=True, exist_ok=True)
+        common = hashlib.sha256("\0".join([subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout,
+                                           *flags, nanobind.__version__, sys.version]).encode())
+        for f in sorted(STUBS.rglob("*.h")):
+            common.update(f.read_bytes())
+        for src in sources:
+            h = common.copy()
+            for f in [src, *sorted(src.parent.glob("*.h"))]:
+                h.update(f.name.encode() + b"\0" + f.read_bytes())
+            keys[src] = cache / f"{src.stem}-{h.hexdigest()[:24]}.json"
+    results: dict[Path, subprocess.CompletedProcess] = {}
+    for src in sources:
+        if src in keys and keys[src].is_file():
+            r = json.loads(keys[src].read_text())
+            results[src] = subprocess.CompletedProcess(r["args"], r["returncode"], "", r["stderr"])
+    todo = [s for s in sources if s not in results]
+    for src, r in zip(todo, _run_all([[cxx, "-fsyntax-only", *flags, str(s)] for s in todo])):
+        results[src] = r
+        if src in keys:
+            tmp = keys[src].with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"args": r.args, "returncode": r.returncode, "stderr": r.stderr}))
+            os.replace(tmp, keys[src])
+    return {s: results[s] for s in sources}
 
 
 # ----------------------------------------------------------------------------- the launcher probe
@@ -186,28 +218,41 @@ def _libmlx() -> Path:
 
 def build_probe(cache_dir: Path, include: Path, launcher_dir: Path = CSRC) -> Path:
     """The probe executable: tests/metal_launcher/probe*.cpp + the launcher (the Metal build's sources
-    but the bindings, from launcher_dir), linked with the Linux libmlx. Keyed by the sha256 of
-    everything that goes into it, under cache_dir/metal_launcher_probe/."""
+    but the bindings, from launcher_dir), linked with the Linux libmlx. Objects and the executable are
+    keyed by the sha256 of what goes into them (sources, csrc headers, stand-ins, flags, compiler),
+    under cache_dir/metal_launcher_probe/, so a changed launcher source recompiles only itself."""
     build = metal_build(include, launcher_dir / "CMakeLists.txt")
     launcher = [launcher_dir / s.name for s in build.sources if s.name != "bindings.cpp"]
     flags = [build.std, "-fblocks", "-O0", f"-I{include}", f"-I{include / 'metal_cpp'}", f"-I{launcher_dir}",
              "-isystem", str(STUBS)]
     lib = _libmlx()
     cxx = clang()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    h = hashlib.sha256("\0".join([*flags, version, str(lib), str(lib.stat().st_size)]).encode())
-    for f in sorted([*PROBE_SOURCES, *launcher, *launcher_dir.glob("*.h"), *STUBS.rglob("*.h")]):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    out_dir = cache_dir / "metal_launcher_probe" / h.hexdigest()[:20]
-    exe = out_dir / "probe"
+    common = hashlib.sha256("\0".join([*flags[:-3], subprocess.run(
+        [cxx, "--version"], capture_output=True, text=True).stdout]).encode())
+    for f in sorted([*launcher_dir.glob("*.h"), *STUBS.rglob("*.h")]):
+        common.update(str(f.relative_to(f.parent.parent)).encode() + b"\0" + f.read_bytes())
+    root = cache_dir / "metal_launcher_probe"
+    (root / "obj").mkdir(parents=True, exist_ok=True)
+    objects, compiles = [], []
+    for src in [*PROBE_SOURCES, *launcher]:
+        h = common.copy()
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+        obj = root / "obj" / f"{src.stem}-{h.hexdigest()[:20]}.o"
+        objects.append(obj)
+        if not obj.is_file():
+            compiles.append((obj, [cxx, *flags, "-c", str(src), "-o", f"{obj}.{os.getpid()}.tmp"]))
+    for (obj, cmd), p in zip(compiles, _run_all([c for _, c in compiles])):
+        if p.returncode != 0:
+            raise RuntimeError(f"building the launcher probe failed:\n{' '.join(cmd)}\n{p.stderr[-4000:]}")
+        os.replace(f"{obj}.{os.getpid()}.tmp", obj)
+    key = hashlib.sha256("\0".join([str(lib), str(lib.stat().st_size), *(o.name for o in objects)]).encode())
+    exe = root / f"probe-{key.hexdigest()[:20]}"
     if exe.is_file():
         return exe
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f"probe.{os.getpid()}.tmp"
-    cmd = [cxx, *flags, *map(str, PROBE_SOURCES), *map(str, launcher), f"-L{lib.parent}", "-lmlx",
-           f"-Wl,-rpath,{lib.parent}", "-o", str(tmp)]
+    tmp = f"{exe}.{os.getpid()}.tmp"
+    cmd = [cxx, *map(str, objects), f"-L{lib.parent}", "-lmlx", f"-Wl,-rpath,{lib.parent}", "-o", tmp]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
-        raise RuntimeError(f"building the launcher probe failed:\n{' '.join(cmd)}\n{p.stderr[-4000:]}")
+        raise RuntimeError(f"linking the launcher probe failed:\n{' '.join(cmd)}\n{p.stderr[-4000:]}")
     os.replace(tmp, exe)
     return exe
