@@ -81,10 +81,12 @@ class _RecordingExt:
                                dtype=dtype)
 
 
-def python_plan(spec, dtype: str, grid=GRID, group=GROUP):
-    """(binary, plan) exactly as registry.native.Launcher builds them from the manifest signature."""
+def python_plan(spec, dtype: str, grid=GRID, group=GROUP, values=None):
+    """(binary, plan) exactly as registry.native.Launcher builds them from the manifest signature;
+    scalars are their sentinels unless `values` says otherwise."""
     launcher = Launcher(spec, "metal", "/probe/artifact.metallib", spec.entries, _RecordingExt())
     scalars = {s.name: sentinel(j, s.type) for j, s in enumerate(spec.signature.scalars)}
+    scalars.update(values or {})
     return launcher._binary, launcher.plan(dtype, scalars, grid=grid, threadgroup=group)
 
 
@@ -96,10 +98,11 @@ class LauncherAbi:
     dispatches: list[tuple[str, tuple, tuple]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)                   # what is wrong on the launcher's side
     pipeline: bool = False       # the encoder got the pipeline get_kernel returned, before any dispatch
+    pipeline_name: str = ""      # get_kernel's hash_name: MLX caches the specialised pipeline under it
 
 
-def run_launcher(probe: Path, spec, dtype: str, grid=GRID, group=GROUP) -> LauncherAbi:
-    binary, plan = python_plan(spec, dtype, grid, group)
+def run_launcher(probe: Path, spec, dtype: str, grid=GRID, group=GROUP, values=None) -> LauncherAbi:
+    binary, plan = python_plan(spec, dtype, grid, group, values)
     lines = [f"{plan.entry} {plan.dtype}"]
     for values in (binary.roles, binary.like, [d or "-" for d in binary.dtypes], binary.scalar_types,
                    binary.specialize, plan.scalars):
@@ -158,9 +161,12 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
         elif word in ("dispatch_threads", "dispatch_threadgroups"):
             v = tuple(map(int, rest))
             abi.dispatches.append((word, v[:3], v[3:]))
-        elif word == "kernel":
+        elif word == "kernel":  # entry, pipeline name, library is the one loaded, #constants, #linked
             if rest[0] != plan.entry:
                 abi.problems.append(f"pipeline of function {rest[0]!r}, the plan's entry is {plan.entry!r}")
+            if rest[2] != "1":
+                abi.problems.append("get_kernel got another library than the one the launcher loaded")
+            abi.pipeline_name = rest[1]
         elif word == "message" and rest[0] == "1" or word == "buffer":
             abi.problems.append(f"a call on the compute encoder this check does not model: {line}")
     passed = [name for name, access in abi.buffers.values() if access == "bytes"] + \
@@ -271,6 +277,23 @@ def test_launcher_abi_matches_source_and_docs(probe, emu_cache, kernel, dtype):
     library = compile_kernel(spec, emu_cache)
     check_against_source(abi, spec, dtype, library.describe(), library.source)
     check_against_docs(abi, spec, KERNEL_ABI.read_text())
+
+
+@pytest.mark.parametrize("kernel", [k.name for k in METAL_KERNELS])
+def test_pipeline_name_spells_every_constant(probe, kernel):
+    """MLX caches a specialised pipeline under get_kernel's hash_name: two launches whose function
+    constants differ in any bit (0.1 and its float32 neighbour) must get two names, or the second
+    would run the first one's pipeline. Non-specialised scalars must not split the cache."""
+    spec = MANIFEST.kernel(kernel)
+    dtype = next(iter(spec.entries))
+    base = run_launcher(probe, spec, dtype).pipeline_name
+    assert base.startswith(spec.entries[dtype]) and run_launcher(probe, spec, dtype).pipeline_name == base
+    for j, s in enumerate(spec.signature.scalars):
+        v = sentinel(j, s.type)
+        bumped = v + 1 if s.type == "int32" else struct.unpack("<f", struct.pack("<I", struct.unpack(
+            "<I", struct.pack("<f", v))[0] + 1))[0]  # the next float32 up
+        name = run_launcher(probe, spec, dtype, values={s.name: bumped}).pipeline_name
+        assert (name != base) == s.specialize, (s.name, base, name)
 
 
 @pytest.mark.parametrize("axis", [0, 1, 2])

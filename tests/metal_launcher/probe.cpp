@@ -1,7 +1,7 @@
 // Runs the real csrc/aot_launch_metal.cpp eval_gpu on Linux and prints every Metal call it makes, so
 // tests/test_metal_launcher_abi.py can compare the launcher's bindings with metal_src/ and
 // docs/kernel-abi.md. Built against MLX 0.32.4's real macOS headers (metal-cpp included) and linked
-// with the Linux libmlx (same headers) plus csrc/aot_launch.cpp. What libmlx.dylib would provide on a
+// with the Linux libmlx (same headers) plus the launcher's other sources. What libmlx.dylib would provide on a
 // Mac (mlx::core::metal's out-of-line device and encoder functions) and the Objective-C runtime are
 // defined here as recorders: they print the call and return a token, nothing runs on a GPU.
 //

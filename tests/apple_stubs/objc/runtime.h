@@ -1,5 +1,6 @@
 // Stand-in for Apple's <objc/runtime.h>, only so metal-cpp type-checks on Linux
-// (tests/test_metal_launcher_compiles.py). Declarations only: nothing here is ever linked or run.
+// (tests/test_metal_launcher_compiles.py). Declarations only; the launcher probe
+// (tests/metal_launcher/probe.cpp) defines the functions as recorders.
 #pragma once
 
 struct objc_class;                     // an Objective-C class (opaque)
