@@ -76,9 +76,9 @@ class _RecordingExt:
         return SimpleNamespace(kwargs=kw, **kw)
 
     @staticmethod
-    def LaunchArgs(entry, scalars, grid, threadgroup, dtype):  # noqa: N802
+    def LaunchArgs(entry, scalars, grid, threadgroup, dtype, buffer_dtypes):  # noqa: N802
         return SimpleNamespace(entry=entry, scalars=list(scalars), grid=tuple(grid), group=tuple(threadgroup),
-                               dtype=dtype)
+                               dtype=dtype, buffer_dtypes=list(buffer_dtypes))
 
 
 def python_plan(spec, dtype: str, grid=GRID, group=GROUP, values=None):
@@ -94,6 +94,7 @@ def python_plan(spec, dtype: str, grid=GRID, group=GROUP, values=None):
 class LauncherAbi:
     """What one eval_gpu bound and dispatched, in the signature's terms."""
     buffers: dict[int, tuple[str, str]] = field(default_factory=dict)   # index -> (name, read|write|bytes)
+    dtypes: dict[int, str] = field(default_factory=dict)                # index -> dtype of the bound array
     constants: dict[int, tuple[str, str]] = field(default_factory=dict)  # index -> (scalar, int|float)
     dispatches: list[tuple[str, tuple, tuple]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)                   # what is wrong on the launcher's side
@@ -105,7 +106,7 @@ def run_launcher(probe: Path, spec, dtype: str, grid=GRID, group=GROUP, values=N
     binary, plan = python_plan(spec, dtype, grid, group, values)
     lines = [f"{plan.entry} {plan.dtype}"]
     for values in (binary.roles, binary.like, [d or "-" for d in binary.dtypes], binary.scalar_types,
-                   binary.specialize, plan.scalars):
+                   binary.specialize, plan.scalars, plan.buffer_dtypes):
         lines.append(" ".join(map(str, [len(values), *values])))
     lines.append(" ".join(map(str, [*plan.grid, *plan.group])))
     p = subprocess.run([str(probe)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
@@ -131,15 +132,17 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
     for line in text.splitlines():
         word, *rest = line.split()
         if word == "input":
-            index, pos, offset = map(int, rest)
+            index, pos, offset = map(int, rest[:3])
             bind(index, (inputs[pos], "read"), offset)
+            abi.dtypes[index] = rest[3]
             if role[inputs[pos]] == "inplace":
                 abi.problems.append(f"in-place {inputs[pos]} bound as an input: the encoder would not order its "
                                     f"readers after the write")
         elif word == "output":
-            index, pos, shares, offset = map(int, rest)
+            index, pos, shares, offset = map(int, rest[:4])
             name = outputs[pos]
             bind(index, (name, "write"), offset)
+            abi.dtypes[index] = rest[4]
             want = inputs.index(name) if role[name] == "inplace" else -1
             if shares != want:
                 abi.problems.append(f"output {name} at [[buffer({index})]] shares the buffer of input {shares}, "
@@ -178,12 +181,6 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
 
 # ----------------------------------------------------------------------------- the comparisons
 
-def _elem(spec, buffer, dtype: str) -> str:
-    dtypes = {b.name: b.dtype for b in spec.signature.buffers}
-    want = (dtypes.get(buffer.like) if buffer.role == "output" and buffer.like else buffer.dtype) or dtype
-    return METAL_ELEM[want]
-
-
 def check_against_source(abi: LauncherAbi, spec, dtype: str, desc: dict, source) -> None:
     """Raise AbiMismatch unless the launcher's bindings are what the .metal entry declares."""
     entry = spec.entries[dtype]
@@ -192,7 +189,6 @@ def check_against_source(abi: LauncherAbi, spec, dtype: str, desc: dict, source)
     if not found:
         raise AbiMismatch(f"{where}: no such entry; the source has {[e['name'] for e in desc['entries']]}")
     params = {p["index"]: p for p in found[0]["params"] if p["kind"] == 0}
-    bufs = {b.name: b for b in spec.signature.buffers}
     scalars = {s.name: s for s in spec.signature.scalars}
     unbound = sorted(set(params) - set(abi.buffers))
     undeclared = sorted(set(abi.buffers) - set(params))
@@ -209,7 +205,7 @@ def check_against_source(abi: LauncherAbi, spec, dtype: str, desc: dict, source)
                 raise AbiMismatch(f"{where}: [[buffer({index})]] {name}: the launcher sets 4 bytes (set_bytes), "
                                   f"the kernel must take `constant {want}&`, not {p['elem']}{' &' if p['ref'] else ' *'}")
             continue
-        want = _elem(spec, bufs[name], dtype)
+        want = METAL_ELEM[abi.dtypes[index]]
         if p["ref"] or p["elem"] != want:
             raise AbiMismatch(f"{where}: [[buffer({index})]] {name}: the launcher binds an array of {want}, the kernel "
                               f"takes {'a reference to ' if p['ref'] else 'a pointer to '}{p['elem']}")
@@ -237,7 +233,7 @@ def doc_tables(text: str, kernel: str) -> tuple[dict[int, tuple[str, str, str]],
     if m is None:
         raise AbiMismatch(f"{KERNEL_ABI}: no `## {kernel}` section with its buffer and scalar tables")
     buffers, scalars = {}, {}
-    for row in re.finditer(r"^\|\s*(\d+)\s*\|\s*(\w+)\s*\|\s*(\w+)[^|]*\|\s*(\w+)\s*\|", m.group(1), re.M):
+    for row in re.finditer(r"^\|\s*(\d+)\s*\|\s*(\w+)\s*\|\s*(\w+)[^|]*\|\s*(\w+)[^|]*\|", m.group(1), re.M):
         buffers[int(row.group(1))] = (row.group(2), row.group(3), row.group(4))
     for row in re.finditer(r"^\|\s*(\w+)\s*\|\s*(int32|float32)\b[^|]*\|\s*(buffer \d+|function_constant\(\d+\))\s*\|",
                            m.group(1), re.M):
@@ -250,7 +246,10 @@ def check_against_docs(abi: LauncherAbi, spec, text: str) -> None:
     sig = spec.signature
     role = {b.name: b for b in sig.buffers}
     stype = {s.name: s.type for s in sig.scalars}
-    want_b = {i: (name, role[name].role, role[name].dtype or "T") for i, (name, access) in abi.buffers.items()
+    # dtype column: the fixed dtype, P for the entry key's pool dtype (dtype_group: pool), T for its
+    # activation dtype.
+    symbol = {b.name: b.dtype or ("P" if b.dtype_group == "pool" else "T") for b in sig.buffers}
+    want_b = {i: (name, role[name].role, symbol[name]) for i, (name, access) in abi.buffers.items()
               if access != "bytes"}
     want_s = {name: (stype[name], f"buffer {i}") for i, (name, access) in abi.buffers.items() if access == "bytes"}
     want_s.update({name: (stype[name], f"function_constant({k})") for k, (name, _) in abi.constants.items()})
@@ -304,12 +303,11 @@ def test_empty_grid_dispatches_nothing(probe, axis):
     assert abi.dispatches == [] and not abi.problems
 
 
-@pytest.mark.parametrize("kernel", [k.name for k in METAL_KERNELS])
-def test_emulator_binds_like_the_launcher(probe, emu_cache, kernel):
+@pytest.mark.parametrize("kernel,dtype", ENTRIES, ids=[f"{k}-{d}" for k, d in ENTRIES])
+def test_emulator_binds_like_the_launcher(probe, emu_cache, kernel, dtype):
     """tests/metal_emu's EmulatedMetal stands in for the launcher in every emulated parity test: it must
     put the same arrays, scalar bytes and function constants at the same indices."""
     spec = MANIFEST.kernel(kernel)
-    dtype = next(iter(spec.entries))
     abi = run_launcher(probe, spec, dtype)
     emu = EmulatedMetal(compile_kernel(spec, emu_cache), spec)
     seen = {}
@@ -317,12 +315,13 @@ def test_emulator_binds_like_the_launcher(probe, emu_cache, kernel):
         entry=entry, host=host, constants=constants, grid=grid, group=group) or host)
     binary, plan = python_plan(spec, dtype)
     binary = emu.KernelBinary(**binary.kwargs)
-    plan = emu.LaunchArgs(plan.entry, plan.scalars, plan.grid, plan.group, plan.dtype)
+    emu_plan = emu.LaunchArgs(plan.entry, plan.scalars, plan.grid, plan.group, plan.dtype, plan.buffer_dtypes)
     arrays = []
-    for b in spec.signature.inputs:
-        t = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "int32": mx.int32}[b.dtype or dtype]
-        arrays.append(mx.full((len(arrays) + 1,), len(arrays) + 1, dtype=t))
-    emu.launch(binary, plan, arrays)
+    for i, b in enumerate(spec.signature.buffers):
+        if b.role != "output":
+            t = getattr(mx, plan.buffer_dtypes[i])
+            arrays.append(mx.full((len(arrays) + 1,), len(arrays) + 1, dtype=t))
+    emu.launch(binary, emu_plan, arrays)
     sizes = {b.name: i + 1 for i, b in enumerate(spec.signature.inputs)}
     likes = {b.name: b.like for b in spec.signature.buffers}
     by_bits = {bits: s.name for bits, s in zip(plan.scalars, spec.signature.scalars)}
@@ -333,6 +332,7 @@ def test_emulator_binds_like_the_launcher(probe, emu_cache, kernel):
             assert a.nbytes == 4 and by_bits[int(a.view("uint32")[0])] == name, (index, name)
         else:
             assert a.size == sizes[likes[name] or name], f"[[buffer({index})]]: the emulator binds another array"
+            assert str(a.dtype) == {"bfloat16": "uint16"}.get(abi.dtypes[index], abi.dtypes[index]), (index, a.dtype)
     assert set(seen["host"]) == set(abi.buffers)
     assert {k: (by_bits[c.bits], {"int32": "int", "float32": "float"}[c.type]) for k, c in
             seen["constants"].items()} == abi.constants
@@ -394,7 +394,8 @@ def test_planted_launcher_change_fails(metal_headers, cache_dir, emu_cache, tmp_
     dtype = next(iter(ROPE.entries))
     lib = compile_kernel(ROPE, emu_cache)
     n = len(ROPE.signature.buffers)
-    with pytest.raises(AbiMismatch, match=error.format(n=n, n2=n + 2)):
+    n_bytes = sum(not s.specialize for s in ROPE.signature.scalars)
+    with pytest.raises(AbiMismatch, match=error.format(n=n, n2=n + n_bytes)):
         check_against_source(run_launcher(planted, ROPE, dtype), ROPE, dtype, lib.describe(), lib.source)
 
 

@@ -5,8 +5,9 @@
 // Mac (mlx::core::metal's out-of-line device and encoder functions) and the Objective-C runtime are
 // defined here as recorders: they print the call and return a token, nothing runs on a GPU.
 //
-// stdin: entry, dtype, then one line each of roles, like, dtypes ("-" = the entry's), scalar_types,
-// specialize, scalar bits, grid (3) and threadgroup (3); every list starts with its length.
+// stdin: entry, dtype (the entry key), then one line each of roles, like, dtypes ("-" = the entry's),
+// scalar_types, specialize, scalar bits, buffer dtypes (the plan's, per buffer), grid (3) and
+// threadgroup (3); every list starts with its length.
 #include <dispatch/dispatch.h>
 
 #include <Metal/Metal.hpp>
@@ -132,12 +133,13 @@ MTL::ComputeCommandEncoder* CommandEncoder::get_command_encoder() {
 }
 
 void CommandEncoder::set_input_array(const array& a, int idx, int64_t offset) {
-  std::printf("input %d %d %ld\n", idx, position_of(*g_inputs, a), static_cast<long>(offset));
+  std::printf("input %d %d %ld %s\n", idx, position_of(*g_inputs, a), static_cast<long>(offset),
+              mlx_aot::dtype_name(a.dtype()));
 }
 
 void CommandEncoder::set_output_array(array& a, int idx, int64_t offset) {
-  std::printf("output %d %d %d %ld\n", idx, position_of(*g_outputs, a), buffer_of(*g_inputs, a),
-              static_cast<long>(offset));
+  std::printf("output %d %d %d %ld %s\n", idx, position_of(*g_outputs, a), buffer_of(*g_inputs, a),
+              static_cast<long>(offset), mlx_aot::dtype_name(a.dtype()));
 }
 
 void CommandEncoder::set_buffer(const MTL::Buffer*, int idx, int64_t offset) {
@@ -185,6 +187,9 @@ int main() {
   std::cin >> n;
   args->scalars.resize(n);
   for (auto& s : args->scalars) std::cin >> s;
+  std::cin >> n;
+  args->buffer_dtypes.resize(n);
+  for (auto& d : args->buffer_dtypes) std::cin >> d;
   for (auto& g : args->grid) std::cin >> g;
   for (auto& g : args->group) std::cin >> g;
   if (!std::cin) {
@@ -193,7 +198,8 @@ int main() {
   }
   mlx_aot::index_buffers(*bin);
 
-  // Input i gets i + 1 elements of its dtype, so every array is distinct; outputs as launch() makes them.
+  // Input i gets i + 1 elements of the plan's dtype for it, so every array is distinct; outputs as
+  // launch() makes them (an output has its `like` input's dtype).
   auto dtype_of = [&](const std::string& name) {
     for (auto d : {mx::float16, mx::bfloat16, mx::float32, mx::int32, mx::uint32})
       if (name == mlx_aot::dtype_name(d)) return d;
@@ -203,7 +209,7 @@ int main() {
   std::vector<mx::array> inputs;
   for (size_t b = 0; b < bin->roles.size(); ++b) {
     if (bin->input_of[b] < 0) continue;
-    mx::Dtype t = dtype_of(bin->dtypes[b].empty() ? args->dtype : bin->dtypes[b]);
+    mx::Dtype t = dtype_of(args->buffer_dtypes.at(b));
     inputs.push_back(mx::zeros({static_cast<int>(inputs.size()) + 1}, t, mx::Device::cpu));
   }
   mx::eval(inputs);
