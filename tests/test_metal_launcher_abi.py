@@ -39,6 +39,7 @@ METAL_KERNELS = [k for k in MANIFEST.kernels if "metal" in k.targets]
 ENTRIES = [(k.name, dtype) for k in METAL_KERNELS for dtype in k.entries]
 KERNEL_ABI = PROJECT_ROOT / "docs" / "kernel-abi.md"
 GRID, GROUP = (7, 5, 3), (4, 2, 1)  # distinct on every axis, so a swapped axis shows
+IMAGE = "verified metallib bytes"   # the KernelBinary.image the probe gives the launcher
 
 
 @pytest.fixture(scope="session")
@@ -100,6 +101,7 @@ class LauncherAbi:
     problems: list[str] = field(default_factory=list)                   # what is wrong on the launcher's side
     pipeline: bool = False       # the encoder got the pipeline get_kernel returned, before any dispatch
     pipeline_name: str = ""      # get_kernel's hash_name: MLX caches the specialised pipeline under it
+    image_bytes: int = -1        # size of the dispatch_data the library was built from (newLibraryWithData)
 
 
 def run_launcher(probe: Path, spec, dtype: str, grid=GRID, group=GROUP, values=None) -> LauncherAbi:
@@ -159,6 +161,10 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
             if index in abi.constants:
                 abi.problems.append(f"function constant {index} set twice")
             abi.constants[index] = (s.name if s else f"<bits {bits:#x}>", type_)
+        elif word == "dispatch_data":
+            abi.image_bytes = int(rest[0])
+        elif word == "message" and rest == ["0", "newLibraryWithData:error:"]:
+            pass
         elif word == "pipeline":
             abi.pipeline = rest[0] == "1" and not abi.dispatches
         elif word in ("dispatch_threads", "dispatch_threadgroups"):
@@ -268,6 +274,8 @@ def test_launcher_abi_matches_source_and_docs(probe, emu_cache, kernel, dtype):
     abi = run_launcher(probe, spec, dtype)
     assert not abi.problems, abi.problems
     assert abi.pipeline, "the encoder must get the pipeline of get_kernel before the dispatch"
+    assert abi.image_bytes == len(IMAGE), \
+        "the library must be built from the verified bytes (KernelBinary.image, docs/native.md)"
     n_bytes = sum(not s.specialize for s in spec.signature.scalars)
     assert len(abi.buffers) == len(spec.signature.buffers) + n_bytes, abi.buffers
     binary, plan = python_plan(spec, dtype)

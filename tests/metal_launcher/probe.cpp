@@ -108,11 +108,6 @@ CommandEncoder& get_command_encoder(Stream s) {
   return *reinterpret_cast<CommandEncoder*>(encoder_storage);
 }
 
-MTL::Library* Device::get_library(const std::string& name, const std::string& path) {
-  std::printf("library %s %s\n", name.c_str(), path.c_str());
-  return reinterpret_cast<MTL::Library*>(mtl_library_storage);
-}
-
 MTL::ComputePipelineState* Device::get_kernel(const std::string& base_name, MTL::Library* lib,
                                               const std::string& hash_name, const MTLFCList& func_consts,
                                               const std::vector<MTL::Function*>& linked_functions) {
@@ -158,12 +153,6 @@ void CommandEncoder::dispatch_threadgroups(MTL::Size grid, MTL::Size group) {
 
 }  // namespace mlx::core::metal
 
-// A launcher that loads the metallib from verified bytes (KernelBinary::image) gets some.
-template <class Binary>
-void set_image(Binary& bin) {
-  if constexpr (requires { bin.image; }) bin.image = "verified metallib bytes";
-}
-
 // ---- one eval_gpu of a plan read from stdin
 int main() {
   auto bin = std::make_shared<mlx_aot::KernelBinary>();
@@ -171,7 +160,7 @@ int main() {
   bin->key = "mlx_aot_probe.metallib";
   bin->path = "/probe/artifact.metallib";
   bin->target = "metal";
-  set_image(*bin);
+  bin->image = "verified metallib bytes";  // what the launcher builds its library from
   std::cin >> args->entry >> args->dtype;
   bin->roles = read_ints(std::cin);
   bin->like = read_ints(std::cin);
