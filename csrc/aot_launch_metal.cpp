@@ -1,6 +1,7 @@
-// eval_gpu on MLX's Metal backend. Compiled only on macOS (not built or run in Linux CI; see
-// docs/native.md). The metallib is loaded once under a unique library name; pipelines are
-// specialised by function constants and cached under a name that encodes every constant's bits.
+// eval_gpu on MLX's Metal backend. Built on macOS; on Linux, CI type-checks it against MLX 0.32.4's
+// macOS headers and runs it with MLX's Metal calls recorded (docs/metal.md). The metallib is built
+// once per (artifact, device) from the verified bytes; pipelines are specialised by function
+// constants and cached under a name that encodes every constant's bits.
 #include "aot_launch.h"
 
 #include <dispatch/dispatch.h>

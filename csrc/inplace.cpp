@@ -56,8 +56,10 @@ bool owned_by_launcher(const mx::array& a) {
 }
 
 bool is_inplace_output_of_launch(const mx::array& a) {
-  if (!a.has_primitive() || typeid(a.primitive()) != typeid(AotLaunch)) return false;
-  const auto& producer = static_cast<const AotLaunch&>(a.primitive()).binary();
+  if (!a.has_primitive()) return false;
+  const mx::Primitive& prim = a.primitive();
+  if (typeid(prim) != typeid(AotLaunch)) return false;
+  const auto& producer = static_cast<const AotLaunch&>(prim).binary();
   for (size_t b = 0; b < producer.roles.size(); ++b) {
     if (producer.output_of[b] == static_cast<int>(a.sibling_position())) return producer.roles[b] == kInplace;
   }
