@@ -133,7 +133,7 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
 
     ctx = click.get_current_context()
     given = lambda name: ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT
-    micro_only = ("quick", "shapes", "tokens", "variants", "cases", "layers", "steps", "warmup", "from_json")
+    micro_only = ("quick", "shapes", "tokens", "variants", "cases", "layers", "steps", "warmup")
     e2e_only = ("sizes", "batches", "prompts", "decode_tokens", "modes", "rounds", "pool_size", "smoke")
     flag = lambda name: "--" + name.replace("_", "-")
     if e2e:
@@ -141,7 +141,7 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
         if bad:
             raise click.UsageError(f"{', '.join(bad)}: not options of --e2e (they configure the per-layer benchmark)")
         return _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, smoke, json_path,
-                    plot_path, md_path, commit, no_check)
+                    plot_path, md_path, commit, no_check, from_json)
     bad = [flag(n) for n in e2e_only if given(n)]
     if bad:
         raise click.UsageError(f"{', '.join(bad)}: only with --e2e")
@@ -201,11 +201,70 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
         click.echo(f"wrote {md_path}", err=True)
 
 
+def _e2e_merge(paths):
+    """Cells, skipped, info and command of one or more `bench --e2e --json` files (of one backend); a cell
+    measured twice is an error."""
+    from . import report
+
+    cells, skipped, seen, docs = [], [], {}, []
+    for path in paths:
+        try:
+            file_cells, doc = report.load_e2e_json(path)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
+        for c in file_cells:
+            key = (c.size, c.dtype, c.batch, c.prompt, c.mode)
+            if key in seen:
+                raise click.UsageError(f"{path}: cell {' '.join(map(str, key))} is also in {seen[key]}")
+            seen[key] = path
+        cells += file_cells
+        skipped += doc.get("skipped", [])
+        docs.append((path, doc))
+    if len({d["info"].get("backend") for _, d in docs}) > 1:
+        raise click.UsageError("--from-json files come from different backends")
+    info = dict(docs[0][1]["info"])
+    if len(docs) > 1:
+        info["merged_from"] = [dict(file=Path(p).name, command=d.get("command"), commit=d["info"].get("commit"),
+                                    date=d["info"].get("date"), cells=len(d["cells"])) for p, d in docs]
+        info["checks"] = [c for _, d in docs for c in d["info"].get("checks", [])]
+        info["sizes"] = {k: v for _, d in docs for k, v in d["info"].get("sizes", {}).items()}
+    return cells, skipped, info, " ; ".join(d.get("command", "?") for _, d in docs)
+
+
+def _e2e_report(cells, skipped, info, command, json_path, plot_path, md_path) -> None:
+    from . import report
+
+    click.echo(report.e2e_table(cells))
+    for (mode, why), n in Counter((s["mode"], s["reason"]) for s in skipped).items():
+        click.echo(f"skipped {mode} in {n} cell{'s' if n > 1 else ''}: {why}")
+    click.echo("")
+    for name, met, evidence in report.e2e_targets(cells, info["backend"]):
+        click.echo(f"{'MET    ' if met else 'NOT MET'} {name}: {evidence}")
+    if json_path:
+        report.write_e2e_json(json_path, cells, skipped, info, command)
+        click.echo(f"wrote {json_path}", err=True)
+    if plot_path:
+        report.e2e_plot(plot_path, cells, f"greedy decode tokens/s on {info.get('gpu') or info['device']}, "
+                                          f"mlx {info['mlx']}, commit {info.get('commit')}, {info.get('date', '')[:10]}")
+        click.echo(f"wrote {plot_path}", err=True)
+    if md_path:
+        report.write_e2e_markdown(md_path, cells, skipped, info, command)
+        click.echo(f"wrote {md_path}", err=True)
+
+
 def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, smoke, json_path, plot_path,
-         md_path, commit, no_check) -> None:
-    from . import report, runner
+         md_path, commit, no_check, from_json=()) -> None:
+    from . import runner
     from .cases import BenchmarkError
 
+    if from_json:
+        ctx = click.get_current_context()
+        bad = [f"--{n.replace('_', '-')}" for n in ("sizes", "batches", "prompts", "decode_tokens", "modes", "rounds",
+                                                     "pool_size", "smoke", "dtypes", "commit", "no_check")
+               if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
+        if bad:
+            raise click.UsageError(f"--from-json reports existing files: {', '.join(bad)} do not apply")
+        return _e2e_report(*_e2e_merge(from_json), json_path, plot_path, md_path)
     info = runner.host_info(commit)
     on_cpu = info["backend"] == "cpu"
     if smoke:
@@ -246,7 +305,7 @@ def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_siz
         log(f"  [{i}/{total} {elapsed:.0f}s, ~{elapsed / i * (total - i):.0f}s left]")
 
     try:
-        cells, skipped, checks = e2e_bench.run(sizes, dtypes, batches, prompts, decode_tokens, modes, rounds, pool_size,
+        cells, skipped, checks = E.run(sizes, dtypes, batches, prompts, decode_tokens, modes, rounds, pool_size,
                                          check=not no_check, progress=progress, log=log)
     except BenchmarkError as err:
         raise click.ClickException(str(err)) from None
@@ -257,20 +316,4 @@ def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_siz
                           modes=modes, rounds=rounds, pool_size=pool_size)
     info["sizes"] = {s: e2e_bench.SIZES[s].note for s in sizes}
     info["checks"] = checks if not no_check else ["skipped (--no-check)"]
-    command = _command()
-    click.echo(report.e2e_table(cells))
-    for (mode, why), n in Counter((s["mode"], s["reason"]) for s in skipped).items():
-        click.echo(f"skipped {mode} in {n} cell{'s' if n > 1 else ''}: {why}")
-    click.echo("")
-    for name, met, evidence in report.e2e_targets(cells, info["backend"]):
-        click.echo(f"{'MET    ' if met else 'NOT MET'} {name}: {evidence}")
-    if json_path:
-        report.write_e2e_json(json_path, cells, skipped, info, command)
-        click.echo(f"wrote {json_path}", err=True)
-    if plot_path:
-        report.e2e_plot(plot_path, cells, f"greedy decode tokens/s on {info.get('gpu') or info['device']}, "
-                                          f"mlx {info['mlx']}, commit {info.get('commit')}, {info.get('date', '')[:10]}")
-        click.echo(f"wrote {plot_path}", err=True)
-    if md_path:
-        report.write_e2e_markdown(md_path, cells, skipped, info, command)
-        click.echo(f"wrote {md_path}", err=True)
+    _e2e_report(cells, skipped, info, _command(), json_path, plot_path, md_path)

@@ -337,6 +337,27 @@ def write_e2e_json(path: Path, cells, skipped: list[dict], info: dict, command: 
     _atomic_write(path, lambda fh: fh.write(json.dumps(doc, indent=1).encode()))
 
 
+def load_e2e_json(path: Path):
+    """(cells, document) of a `bench --e2e --json` file; a malformed file is named with what is missing."""
+    from .e2e import E2ECell
+    import dataclasses
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable benchmark JSON file ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or not isinstance(data.get("info"), dict):
+        raise ValueError(f"{path}: expected an object with 'info' and a 'cells' list (from `bench --e2e --json`)")
+    names = [f.name for f in dataclasses.fields(E2ECell)]
+    cells = []
+    for i, c in enumerate(data["cells"]):
+        missing = [k for k in names if not isinstance(c, dict) or k not in c]
+        if missing:
+            raise ValueError(f"{path}: cells[{i}] lacks {', '.join(missing)} (not a `bench --e2e --json` file?)")
+        cells.append(E2ECell(**{k: c[k] for k in names}))
+    return cells, data
+
+
 def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
     def f(x, fmt):
         return format(x, fmt) if x is not None else "-"

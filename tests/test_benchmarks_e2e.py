@@ -96,3 +96,23 @@ def test_targets_compare_modes_within_each_cell():
     assert [n for n, _, _ in report.e2e_targets(cells, "cpu")] == ["CPU: fused >= module (every cell)"]
     table = report.e2e_table(cells)
     assert "1.26" in table and "1.08" in table                             # fused/module per row
+
+
+def test_from_json_merges_runs_and_refuses_a_cell_twice(tmp_path):
+    info = dict(backend="cuda", device="gpu", mlx=mx.__version__, date="2026-12-01T00:00:00Z", commit="abc",
+                checks=["a check"], sizes={"s": "a size"})
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    report.write_e2e_json(a, [cell("module", 100), cell("fused", 120)], [], info, "run a")
+    report.write_e2e_json(b, [cell("module", 400, 8), cell("fused", 500, 8)], [], info, "run b")
+    out = run_cli("--from-json", str(a), "--from-json", str(b), "--markdown", str(tmp_path / "m.md"))
+    assert out.exit_code == 0, out.output
+    assert "MET     fused >= 1.10x module (every cell): 2/2 cells" in out.output
+    assert "Command: `run a ; run b`" in (tmp_path / "m.md").read_text()
+    out = run_cli("--from-json", str(a), "--from-json", str(a))
+    assert out.exit_code == 2 and "cell s bfloat16 1 128 module is also in" in out.output
+    out = run_cli("--from-json", str(a), "--rounds", "2")
+    assert out.exit_code == 2 and "--rounds do not apply" in out.output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"info": {}, "cells": [{"size": "s"}]}')
+    out = run_cli("--from-json", str(bad))
+    assert out.exit_code == 2 and "cells[0] lacks batch" in out.output
