@@ -358,6 +358,11 @@ def load_e2e_json(path: Path):
     return cells, data
 
 
+def _spread(cells) -> str:
+    ratios = [max(c.decode_s) / min(c.decode_s) for c in cells if c.decode_s and min(c.decode_s) > 0]
+    return f"median {_median(ratios):.2f}x, max {max(ratios):.2f}x" if ratios else "one round"
+
+
 def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
     def f(x, fmt):
         return format(x, fmt) if x is not None else "-"
@@ -371,7 +376,9 @@ def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
              f"- Greedy decode tokens/s of the whole batch (median of {info.get('matrix', {}).get('rounds', '?')} "
              f"interleaved rounds, {info.get('matrix', {}).get('decode_tokens', '?')} tokens per request); random "
              f"weights; sizes: " + "; ".join(f"{k}: {v}" for k, v in info.get("sizes", {}).items()) + ".",
-             *[f"- Check: {c}" for c in info.get("checks", [])], "",
+             *[f"- Check: {c}" for c in info.get("checks", [])],
+             f"- Round-to-round spread (slowest / fastest decode of a cell and mode): {_spread(cells)}; load average "
+             f"at start {info.get('loadavg_start', '?')}, at end {info.get('loadavg_end', '?')}.", "",
              "| size | dtype | batch | prompt | " + " | ".join(modes) + " | fused/module | module/mlx_lm | fused/mlx_lm |"
              " prefill tok/s (" + ", ".join(modes) + ") |",
              "|" + "---|" * (8 + len(modes))]
