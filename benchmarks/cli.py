@@ -254,7 +254,7 @@ def _e2e_report(cells, skipped, info, command, json_path, plot_path, md_path) ->
 
 def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, smoke, json_path, plot_path,
          md_path, commit, no_check, from_json=()) -> None:
-    from . import runner
+    from . import report, runner
     from .cases import BenchmarkError
 
     if from_json:
