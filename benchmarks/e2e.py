@@ -190,7 +190,7 @@ def run_engine(engine, prompts, n) -> Run:
     t0 = time.perf_counter()
     engine.step()
     t1 = time.perf_counter()
-    while engine.waiting or engine.running or engine._inflight:
+    while engine.waiting or engine.running:     # the step that queues the last forward reads everything
         engine.step()
     t2 = time.perf_counter()
     reqs = [engine.requests.pop(rid) for rid in rids]
