@@ -116,14 +116,20 @@ def write_json(path: Path, cells: list[Cell], info: dict, command: str) -> None:
 _CELL_FIELDS = ("shape", "tokens", "dtype", "variant", "implementation", "us_per_layer", "bytes_per_layer")
 
 
-def load_json(path: Path) -> tuple[list[Cell], dict]:
-    """Cells and the whole document of a --json file; a malformed file is named with what is missing."""
+def _read_doc(path: Path, made_by: str) -> dict:
+    """The document of a --json file, checked to hold 'info' and a 'cells' list."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable benchmark JSON file ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or not isinstance(data.get("info"), dict):
-        raise ValueError(f"{path}: expected an object with 'info' and a 'cells' list (from `bench --json`)")
+        raise ValueError(f"{path}: expected an object with 'info' and a 'cells' list (from `{made_by}`)")
+    return data
+
+
+def load_json(path: Path) -> tuple[list[Cell], dict]:
+    """Cells and the whole document of a --json file; a malformed file is named with what is missing."""
+    data = _read_doc(path, "bench --json")
     cells = []
     for i, c in enumerate(data["cells"]):
         missing = [k for k in _CELL_FIELDS if k not in c]
@@ -339,15 +345,11 @@ def write_e2e_json(path: Path, cells, skipped: list[dict], info: dict, command: 
 
 def load_e2e_json(path: Path):
     """(cells, document) of a `bench --e2e --json` file; a malformed file is named with what is missing."""
-    from .e2e import E2ECell
     import dataclasses
 
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable benchmark JSON file ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or not isinstance(data.get("info"), dict):
-        raise ValueError(f"{path}: expected an object with 'info' and a 'cells' list (from `bench --e2e --json`)")
+    from .e2e import E2ECell
+
+    data = _read_doc(path, "bench --e2e --json")
     names = [f.name for f in dataclasses.fields(E2ECell)]
     cells = []
     for i, c in enumerate(data["cells"]):
