@@ -6,10 +6,12 @@ import os
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import click
 
+from . import e2e as e2e_bench
 from .cases import CASES, DTYPES, SHAPES, TOKENS, VARIANTS
 
 QUICK = dict(shapes=["llama-8b", "phi-4-mini-partial"], tokens=[1, 32, 512], dtypes=["bfloat16"],
@@ -28,6 +30,20 @@ def _csv(choices, convert=str):
             if v not in allowed:
                 raise click.BadParameter(f"{v!r} is not one of {', '.join(map(str, choices))}")
         return list(dict.fromkeys(convert(v) for v in items))
+    return parse
+
+
+def _ints(flag: str):
+    def parse(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            items = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{value!r}: expected a comma list of positive integers") from None
+        if not items or min(items) < 1:
+            raise click.BadParameter(f"{value!r}: expected a comma list of positive integers")
+        return list(dict.fromkeys(items))
     return parse
 
 
@@ -89,11 +105,46 @@ def _merge(paths):
                    "files (repeat to merge runs of one host), restricted to the filters given.")
 @click.option("--commit", help="Commit to record when the tree has no .git (e.g. a copy on a benchmark host).")
 @click.option("--no-check", is_flag=True, help="Skip checking that fused agrees with MLX's path before timing.")
+@click.option("--e2e", is_flag=True,
+              help="End-to-end greedy decode of real-size mlx-lm models (random weights): mlx-lm's own loop vs "
+                   "the slot engine's modes. Takes the --e2e options below, --dtypes (default bf16,f16; CPU bf16) and the output options.")
+@click.option("--sizes", callback=_csv(e2e_bench.SIZES),
+              help=f"--e2e: comma list of {', '.join(e2e_bench.SIZES)} (default: {', '.join(e2e_bench.GPU_SIZES)} on a GPU, "
+                   f"{', '.join(e2e_bench.CPU_SIZES)} on the CPU).")
+@click.option("--batches", callback=_ints("--batches"), help="--e2e: comma list of batch sizes (default 1,8,32; CPU 1,8).")
+@click.option("--prompts", callback=_ints("--prompts"),
+              help="--e2e: comma list of prompt lengths (default 128,2048; CPU 32,128).")
+@click.option("--decode-tokens", type=click.IntRange(min=2),
+              help="--e2e: tokens generated per request (default 64; CPU 32).")
+@click.option("--modes", callback=_csv(e2e_bench.MODES), help=f"--e2e: comma list of {', '.join(e2e_bench.MODES)} (default: all).")
+@click.option("--rounds", type=click.IntRange(min=1), help="--e2e: interleaved timed rounds, median kept (default 3).")
+@click.option("--pool-size", type=click.IntRange(min=1),
+              help="--e2e: slot-engine KV slots per layer (default: batch x (prompt + decode tokens - 1)).")
+@click.option("--smoke", is_flag=True,
+              help="--e2e: a seconds-long run (tiny-llama, batch 1 and 2, prompt 16, 4 tokens, 1 round; "
+                   "filters given with it win).")
 def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
-          from_json, commit, no_check) -> None:
+          from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
+          smoke) -> None:
     """Per-layer time of RoPE + KV-pool store inside a multi-layer step, on the default device:
-    the registry's fused kernel, MLX's own path, the seed's per-request loop, a trivial op, a copy."""
+    the registry's fused kernel, MLX's own path, the seed's per-request loop, a trivial op, a copy.
+    With --e2e: end-to-end decode tokens/s of real-size models (docs/benchmarks/README.md)."""
     from . import report, runner
+
+    ctx = click.get_current_context()
+    given = lambda name: ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT
+    micro_only = ("quick", "shapes", "tokens", "variants", "cases", "layers", "steps", "warmup")
+    e2e_only = ("sizes", "batches", "prompts", "decode_tokens", "modes", "rounds", "pool_size", "smoke")
+    flag = lambda name: "--" + name.replace("_", "-")
+    if e2e:
+        bad = [flag(n) for n in micro_only if given(n)]
+        if bad:
+            raise click.UsageError(f"{', '.join(bad)}: not options of --e2e (they configure the per-layer benchmark)")
+        return _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, smoke, json_path,
+                    plot_path, md_path, commit, no_check, from_json)
+    bad = [flag(n) for n in e2e_only if given(n)]
+    if bad:
+        raise click.UsageError(f"{', '.join(bad)}: only with --e2e")
 
     if from_json:
         if quick:
@@ -148,3 +199,121 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
     if md_path:
         report.write_markdown(md_path, cells, info, command)
         click.echo(f"wrote {md_path}", err=True)
+
+
+def _e2e_merge(paths):
+    """Cells, skipped, info and command of one or more `bench --e2e --json` files (of one backend); a cell
+    measured twice is an error."""
+    from . import report
+
+    cells, skipped, seen, docs = [], [], {}, []
+    for path in paths:
+        try:
+            file_cells, doc = report.load_e2e_json(path)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
+        for c in file_cells:
+            key = (c.size, c.dtype, c.batch, c.prompt, c.mode)
+            if key in seen:
+                raise click.UsageError(f"{path}: cell {' '.join(map(str, key))} is also in {seen[key]}")
+            seen[key] = path
+        cells += file_cells
+        skipped += doc.get("skipped", [])
+        docs.append((path, doc))
+    if len({d["info"].get("backend") for _, d in docs}) > 1:
+        raise click.UsageError("--from-json files come from different backends")
+    info = dict(docs[0][1]["info"])
+    if len(docs) > 1:
+        info["merged_from"] = [dict(file=Path(p).name, command=d.get("command"), commit=d["info"].get("commit"),
+                                    date=d["info"].get("date"), cells=len(d["cells"])) for p, d in docs]
+        info["checks"] = [c for _, d in docs for c in d["info"].get("checks", [])]
+        info["sizes"] = {k: v for _, d in docs for k, v in d["info"].get("sizes", {}).items()}
+    return cells, skipped, info, " ; ".join(d.get("command", "?") for _, d in docs)
+
+
+def _e2e_report(cells, skipped, info, command, json_path, plot_path, md_path) -> None:
+    from . import report
+
+    click.echo(report.e2e_table(cells))
+    for (mode, why), n in Counter((s["mode"], s["reason"]) for s in skipped).items():
+        click.echo(f"skipped {mode} in {n} cell{'s' if n > 1 else ''}: {why}")
+    click.echo("")
+    for name, met, evidence in report.e2e_targets(cells, info["backend"]):
+        click.echo(f"{'MET    ' if met else 'NOT MET'} {name}: {evidence}")
+    if json_path:
+        report.write_e2e_json(json_path, cells, skipped, info, command)
+        click.echo(f"wrote {json_path}", err=True)
+    if plot_path:
+        report.e2e_plot(plot_path, cells, f"greedy decode tokens/s on {info.get('gpu') or info['device']}, "
+                                          f"mlx {info['mlx']}, commit {info.get('commit')}, {info.get('date', '')[:10]}")
+        click.echo(f"wrote {plot_path}", err=True)
+    if md_path:
+        report.write_e2e_markdown(md_path, cells, skipped, info, command)
+        click.echo(f"wrote {md_path}", err=True)
+
+
+def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, smoke, json_path, plot_path,
+         md_path, commit, no_check, from_json=()) -> None:
+    from . import report, runner
+    from .cases import BenchmarkError
+
+    if from_json:
+        ctx = click.get_current_context()
+        bad = [f"--{n.replace('_', '-')}" for n in ("sizes", "batches", "prompts", "decode_tokens", "modes", "rounds",
+                                                     "pool_size", "smoke", "dtypes", "commit", "no_check")
+               if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
+        if bad:
+            raise click.UsageError(f"--from-json reports existing files: {', '.join(bad)} do not apply")
+        return _e2e_report(*_e2e_merge(from_json), json_path, plot_path, md_path)
+    info = runner.host_info(commit)
+    on_cpu = info["backend"] == "cpu"
+    if smoke:
+        sizes, batches, prompts = sizes or ["tiny-llama"], batches or [1, 2], prompts or [16]
+        decode_tokens, rounds, dtypes = decode_tokens or 4, rounds or 1, dtypes or ["bfloat16"]
+    E = e2e_bench
+    if on_cpu:
+        sizes, dtypes, batches = sizes or list(E.CPU_SIZES), dtypes or list(E.CPU_DTYPES), batches or list(E.CPU_BATCHES)
+        prompts, decode_tokens = prompts or list(E.CPU_PROMPTS), decode_tokens or E.CPU_DECODE_TOKENS
+    sizes, dtypes, batches = sizes or list(E.GPU_SIZES), dtypes or ["bfloat16", "float16"], batches or list(E.BATCHES)
+    prompts, decode_tokens = prompts or list(E.PROMPTS), decode_tokens or E.DECODE_TOKENS
+    rounds, modes = rounds or E.ROUNDS, modes or list(E.MODES)
+    need = e2e_bench.pool_needed(max(batches), max(prompts), decode_tokens)
+    if pool_size is not None and need > pool_size:
+        raise click.BadParameter(f"{pool_size} slots cannot hold batch {max(batches)} x (prompt {max(prompts)} + "
+                                 f"{decode_tokens} decode tokens - 1) = {need}: raise --pool-size or lower "
+                                 f"--batches/--prompts", param_hint="--pool-size")
+    if on_cpu:
+        big = [s for s in sizes if not e2e_bench.SIZES[s].cpu]
+        if big:
+            click.echo(f"# warning: {', '.join(big)} are GPU sizes; on the CPU a cell takes minutes", err=True)
+    n = len(sizes) * len(dtypes) * len(batches) * len(prompts)
+    click.echo(f"# {info['device']} ({info.get('gpu') or info.get('cpu') or info['platform']}), mlx {info['mlx']}, "
+               f"commit {info['commit']}; {n} cells x {len(modes)} modes, {decode_tokens} decode tokens, median of "
+               f"{rounds} interleaved rounds; decode tokens/s (whole batch)", err=True)
+    start = time.monotonic()
+    log = lambda line: click.echo(line, err=True)
+    said: set = set()
+
+    def progress(i, total, cells, skipped):
+        elapsed = time.monotonic() - start
+        for c in cells:
+            log(report.e2e_progress_row(c))
+        for m, why in skipped.items():
+            if (m, why) not in said:              # once per reason
+                said.add((m, why))
+                log(f"  skipped {m}: {why}")
+        log(f"  [{i}/{total} {elapsed:.0f}s, ~{elapsed / i * (total - i):.0f}s left]")
+
+    try:
+        cells, skipped, checks = E.run(sizes, dtypes, batches, prompts, decode_tokens, modes, rounds, pool_size,
+                                         check=not no_check, progress=progress, log=log)
+    except BenchmarkError as err:
+        raise click.ClickException(str(err)) from None
+    info["seconds"] = round(time.monotonic() - start, 1)
+    if hasattr(os, "getloadavg"):
+        info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    info["matrix"] = dict(sizes=sizes, dtypes=dtypes, batches=batches, prompts=prompts, decode_tokens=decode_tokens,
+                          modes=modes, rounds=rounds, pool_size=pool_size)
+    info["sizes"] = {s: e2e_bench.SIZES[s].note for s in sizes}
+    info["checks"] = checks if not no_check else ["skipped (--no-check)"]
+    _e2e_report(cells, skipped, info, _command(), json_path, plot_path, md_path)

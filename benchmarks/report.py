@@ -116,14 +116,20 @@ def write_json(path: Path, cells: list[Cell], info: dict, command: str) -> None:
 _CELL_FIELDS = ("shape", "tokens", "dtype", "variant", "implementation", "us_per_layer", "bytes_per_layer")
 
 
-def load_json(path: Path) -> tuple[list[Cell], dict]:
-    """Cells and the whole document of a --json file; a malformed file is named with what is missing."""
+def _read_doc(path: Path, made_by: str) -> dict:
+    """The document of a --json file, checked to hold 'info' and a 'cells' list."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable benchmark JSON file ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or not isinstance(data.get("info"), dict):
-        raise ValueError(f"{path}: expected an object with 'info' and a 'cells' list (from `bench --json`)")
+        raise ValueError(f"{path}: expected an object with 'info' and a 'cells' list (from `{made_by}`)")
+    return data
+
+
+def load_json(path: Path) -> tuple[list[Cell], dict]:
+    """Cells and the whole document of a --json file; a malformed file is named with what is missing."""
+    data = _read_doc(path, "bench --json")
     cells = []
     for i, c in enumerate(data["cells"]):
         missing = [k for k in _CELL_FIELDS if k not in c]
@@ -245,4 +251,185 @@ def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     _atomic_write(path, lambda fh: fig.savefig(fh, dpi=110, format="png"))
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- end-to-end (bench --e2e)
+
+# Targets of the end-to-end issue (docs/benchmarks/README.md).
+E2E_GPU_FUSED_OVER_MODULE = 1.10    # GPU: fused >= 1.10x module in every cell
+E2E_B1_MODULE_WITHIN = 0.10         # GPU, batch 1: module within 10% of mlx_lm ...
+E2E_MODE_ORDER = ("mlx_lm", "mlx_lm_fused_cache", "module", "reference", "fused")
+
+
+def e2e_progress_row(c) -> str:
+    return (f"  {c.size:<12}{c.dtype:>9} b{c.batch:<3} p{c.prompt:<5} {c.mode:<19} decode {c.decode_tokens_per_s:9.1f} "
+            f"tok/s ({c.decode_ms_per_step:7.2f} ms/step)  prefill {c.prefill_tokens_per_s:9.0f} tok/s")
+
+
+def _e2e_groups(cells) -> dict[tuple, dict]:
+    """(size, dtype, batch, prompt) -> {mode: cell}, in measurement order."""
+    groups: dict[tuple, dict] = {}
+    for c in cells:
+        groups.setdefault((c.size, c.dtype, c.batch, c.prompt), {})[c.mode] = c
+    return groups
+
+
+def _ratio(group: dict, a: str, b: str) -> float | None:
+    x, y = group.get(a), group.get(b)
+    return x.decode_tokens_per_s / y.decode_tokens_per_s if x and y and y.decode_tokens_per_s else None
+
+
+def _e2e_modes(cells) -> list[str]:
+    present = {c.mode for c in cells}
+    return [m for m in E2E_MODE_ORDER if m in present]
+
+
+def e2e_table(cells) -> str:
+    """Decode tokens/s per cell and mode, then fused/module, module/mlx_lm and fused/mlx_lm."""
+    modes = _e2e_modes(cells)
+    head = (f"{'size':<12}{'dtype':>9}{'batch':>6}{'prompt':>7}" + "".join(f"{m:>20}" for m in modes)
+            + f"{'fused/module':>14}{'module/mlx':>12}{'fused/mlx':>11}")
+    lines = [head]
+    for (size, dtype, batch, prompt), g in _e2e_groups(cells).items():
+        lines.append(f"{size:<12}{dtype:>9}{batch:>6}{prompt:>7}"
+                     + "".join(_f(g[m].decode_tokens_per_s if m in g else None, "20.1f") for m in modes)
+                     + _f(_ratio(g, "fused", "module"), "14.2f") + _f(_ratio(g, "module", "mlx_lm"), "12.2f")
+                     + _f(_ratio(g, "fused", "mlx_lm"), "11.2f"))
+    return "\n".join(lines)
+
+
+def _e2e_name(key: tuple) -> str:
+    size, dtype, batch, prompt = key
+    return f"{size} {dtype} b{batch} p{prompt}"
+
+
+def _all_cells_target(groups, name, a, b, minimum, keys=None) -> tuple[str, bool, str] | None:
+    pairs = [(k, _ratio(g, a, b)) for k, g in groups.items() if keys is None or k in keys]
+    pairs = [(k, r) for k, r in pairs if r is not None]
+    if not pairs:
+        return None
+    under = [(k, r) for k, r in pairs if r < minimum]
+    worst = min(pairs, key=lambda kr: kr[1])
+    return (name, not under, f"{len(pairs) - len(under)}/{len(pairs)} cells at or above; worst {worst[1]:.2f}x "
+                             f"({_e2e_name(worst[0])}); median {_median(r for _, r in pairs):.2f}x"
+                             + (f"; under: {', '.join(f'{_e2e_name(k)} {r:.2f}x' for k, r in under[:6])}"
+                                + (f" and {len(under) - 6} more" if len(under) > 6 else "") if under else ""))
+
+
+def e2e_targets(cells, backend: str) -> list[tuple[str, bool, str]]:
+    """(target, met, evidence) of the end-to-end issue's targets that apply to `backend`."""
+    groups = _e2e_groups(cells)
+    out = []
+    if backend == "cpu":
+        t = _all_cells_target(groups, "CPU: fused >= module (every cell)", "fused", "module", 1.0)
+        out += [t] if t else []
+        return out
+    t = _all_cells_target(groups, f"fused >= {E2E_GPU_FUSED_OVER_MODULE:.2f}x module (every cell)", "fused",
+                          "module", E2E_GPU_FUSED_OVER_MODULE)
+    out += [t] if t else []
+    b1 = {k for k in groups if k[2] == 1}
+    t = _all_cells_target(groups, f"batch 1: module within {E2E_B1_MODULE_WITHIN:.0%} of mlx_lm", "module",
+                          "mlx_lm", 1.0 - E2E_B1_MODULE_WITHIN, b1)
+    out += [t] if t else []
+    t = _all_cells_target(groups, "batch 1: fused >= mlx_lm", "fused", "mlx_lm", 1.0, b1)
+    out += [t] if t else []
+    return out
+
+
+def write_e2e_json(path: Path, cells, skipped: list[dict], info: dict, command: str) -> None:
+    doc = {"info": info, "command": command, "cells": [c.to_json() for c in cells], "skipped": skipped,
+           "targets": [dict(target=n, met=m, evidence=e) for n, m, e in e2e_targets(cells, info.get("backend", ""))]}
+    _atomic_write(path, lambda fh: fh.write(json.dumps(doc, indent=1).encode()))
+
+
+def load_e2e_json(path: Path):
+    """(cells, document) of a `bench --e2e --json` file; a malformed file is named with what is missing."""
+    import dataclasses
+
+    from .e2e import E2ECell
+
+    data = _read_doc(path, "bench --e2e --json")
+    names = [f.name for f in dataclasses.fields(E2ECell)]
+    cells = []
+    for i, c in enumerate(data["cells"]):
+        missing = [k for k in names if not isinstance(c, dict) or k not in c]
+        if missing:
+            raise ValueError(f"{path}: cells[{i}] lacks {', '.join(missing)} (not a `bench --e2e --json` file?)")
+        cells.append(E2ECell(**{k: c[k] for k in names}))
+    return cells, data
+
+
+def _spread(cells) -> str:
+    ratios = [max(c.decode_s) / min(c.decode_s) for c in cells if c.decode_s and min(c.decode_s) > 0]
+    return f"median {_median(ratios):.2f}x, max {max(ratios):.2f}x" if ratios else "one round"
+
+
+def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
+    def f(x, fmt):
+        return format(x, fmt) if x is not None else "-"
+
+    modes = _e2e_modes(cells)
+    lines = [f"- Date {info.get('date', '?')}; host {info.get('host')} ({info.get('cpu') or info.get('platform')}, "
+             f"{info.get('cpu_count')} CPUs); GPU: {info.get('gpu') or 'none'}; device {info.get('device')}; "
+             f"MLX {info.get('mlx')}; Python {info.get('python')}; commit {info.get('commit')}; "
+             f"{info.get('seconds', '?')} s.",
+             f"- Command: `{command}`",
+             f"- Greedy decode tokens/s of the whole batch (median of {info.get('matrix', {}).get('rounds', '?')} "
+             f"interleaved rounds, {info.get('matrix', {}).get('decode_tokens', '?')} tokens per request); random "
+             f"weights; sizes: " + "; ".join(f"{k}: {v}" for k, v in info.get("sizes", {}).items()) + ".",
+             *[f"- Check: {c}" for c in info.get("checks", [])],
+             f"- Round-to-round spread (slowest / fastest decode of a cell and mode): {_spread(cells)}; load average "
+             f"at start {info.get('loadavg_start', '?')}, at end {info.get('loadavg_end', '?')}.", "",
+             "| size | dtype | batch | prompt | " + " | ".join(modes) + " | fused/module | module/mlx_lm | fused/mlx_lm |"
+             " prefill tok/s (" + ", ".join(modes) + ") |",
+             "|" + "---|" * (8 + len(modes))]
+    for key, g in _e2e_groups(cells).items():
+        size, dtype, batch, prompt = key
+        lines.append(f"| {size} | {dtype} | {batch} | {prompt} | "
+                     + " | ".join(f(g[m].decode_tokens_per_s if m in g else None, ".1f") for m in modes)
+                     + f" | {f(_ratio(g, 'fused', 'module'), '.2f')} | {f(_ratio(g, 'module', 'mlx_lm'), '.2f')} | "
+                       f"{f(_ratio(g, 'fused', 'mlx_lm'), '.2f')} | "
+                     + " / ".join(f(g[m].prefill_tokens_per_s if m in g else None, ".0f") for m in modes) + " |")
+    lines += ["", "| target | result | evidence |", "|---|---|---|"]
+    for name, met, evidence in e2e_targets(cells, info.get("backend", "")):
+        lines.append(f"| {name} | **{'met' if met else 'not met'}** | {evidence} |")
+    reasons = {}
+    for s in skipped:
+        reasons.setdefault((s["mode"], s["reason"]), []).append(f"{s['size']} {s['dtype']} b{s['batch']} p{s['prompt']}")
+    for (mode, why), where in reasons.items():
+        lines.append(f"\n- Skipped `{mode}` ({len(where)} cells): {why}")
+    return "\n".join(lines) + "\n"
+
+
+def write_e2e_markdown(path: Path, cells, skipped: list[dict], info: dict, command: str) -> None:
+    text = e2e_markdown(cells, skipped, info, command)
+    _atomic_write(path, lambda fh: fh.write(text.encode()))
+
+
+def e2e_plot(path: Path, cells, title: str) -> None:
+    """One panel per size: decode tokens/s per (dtype, batch, prompt), a bar per mode (log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(dict.fromkeys(c.size for c in cells))
+    modes = _e2e_modes(cells)
+    fig, axes = plt.subplots(len(sizes), 1, figsize=(max(8, 1.6 * 12), 3.6 * len(sizes)), squeeze=False)
+    colors = dict(zip(modes, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    width = 0.8 / max(1, len(modes))
+    for ax, size in zip(axes[:, 0], sizes):
+        groups = [(k, g) for k, g in _e2e_groups(cells).items() if k[0] == size]
+        for j, m in enumerate(modes):
+            xs = [i + (j - (len(modes) - 1) / 2) * width for i, (_, g) in enumerate(groups) if m in g]
+            ys = [g[m].decode_tokens_per_s for _, g in groups if m in g]
+            ax.bar(xs, ys, width, color=colors[m], label=m)
+        ax.set_xticks(range(len(groups)), [f"{'bf16' if k[1] == 'bfloat16' else 'f16' if k[1] == 'float16' else 'f32'}"
+                                           f" b{k[2]} p{k[3]}" for k, _ in groups], fontsize=8)
+        ax.set(yscale="log", ylabel="decode tokens/s (batch)", title=size)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=len(modes))
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    _atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png"))
     plt.close(fig)

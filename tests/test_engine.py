@@ -295,3 +295,43 @@ def test_engine_command_runs():
     p = subprocess.run([sys.executable, "-m", "registry.integrations.engine", "--arch", "gemma9"],
                        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "--arch 'gemma9': choose from" in p.stderr
+
+
+def test_decode_is_pipelined_one_step_late():
+    """Each decode step is queued on the previous step's lazy tokens before those are read: after a
+    decode step the request has one more token scheduled than read, and the step returns the previous
+    step's token. Nothing is lost at the end, and the tokens are mlx-lm's."""
+    model = model_of("llama")
+    engine = SlotEngine(model)
+    want = mlx_lm_greedy(model, PROMPTS[0], 4)
+    a = engine.add_request(PROMPTS[0], 4)
+    r = engine.requests[a]
+    assert engine.step() == [(a, want[0])]                 # prefill: its first token is read at once
+    assert engine.step() == [] and (r.scheduled, len(r.generated)) == (2, 1)
+    assert engine.step() == [(a, want[1])] and (r.scheduled, len(r.generated)) == (3, 2)
+    # the last forward is queued, a leaves `running`, and with nothing left to run the step reads all
+    assert engine.step() == [(a, want[2]), (a, want[3])]
+    assert not engine.running and not engine._inflight and r.generated == want
+    assert engine.free_slots == engine.pool_size
+
+
+def test_a_failed_step_keeps_the_queued_tokens():
+    model = model_of("llama")
+    engine = SlotEngine(model)
+    a = engine.add_request(PROMPTS[0], 4)
+    engine.step()
+    engine.step()                                          # decode 1 queued, not read
+    engine.add_request([1, 2], 2)
+    original = engine._forward
+
+    def boom(reqs, tokens):
+        raise EngineError("injected")
+
+    engine._forward = boom
+    with pytest.raises(EngineError, match="injected"):
+        engine.step()
+    engine._forward = original
+    assert len(engine._inflight) == 1                      # decode 1 is still queued, and is read later
+    while engine.waiting or engine.running or engine._inflight:
+        engine.step()
+    assert engine.requests[a].generated == mlx_lm_greedy(model, PROMPTS[0], 4)

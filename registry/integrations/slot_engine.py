@@ -182,6 +182,9 @@ class Request:
     generated: list[int] = field(default_factory=list)
     state: list | None = None          # the model's own per-request caches (recurrent layers)
     logits: list[np.ndarray] = field(default_factory=list)
+    scheduled: int = 0                 # tokens whose forward has been queued (read or not)
+    last: "_InFlight | None" = None    # the forward that computes this request's newest token ...
+    last_row: int = 0                  # ... and its row there
 
     @property
     def done(self) -> bool:
@@ -240,6 +243,12 @@ class SlotEngine:
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0,
                        "decode_steps": 0}
         self.vocab_size = _vocab_size(model)
+        self._inflight: list[_InFlight] = []      # decode steps queued, tokens not read yet
+        self._arange = np.arange(pool_size + 1, dtype=np.int32)   # positions, sliced per step
+        # Without per-request state the cache list is the same every forward (the pools read step_ctx).
+        paths = [self.kv_paths.get(i) for i in range(len(own))]
+        self._static_caches = (None if self.stateful or any(p not in ((), None) for p in paths)
+                               else [self.pools[i] if p == () else None for i, p in enumerate(paths)])
 
     # --------------------------------------------------------------------- setup
 
@@ -369,38 +378,44 @@ class SlotEngine:
                 for j, t in enumerate(template.caches)]
         return type(template)(*subs)
 
-    def _forward(self, reqs: list[Request], new_tokens: list[list[int]]) -> mx.array:
-        """Run the model on `new_tokens` (same count per request); returns the last logits [B, V]."""
-        B, L = len(reqs), len(new_tokens[0])
+    def _forward(self, reqs: list[Request], tokens: mx.array) -> mx.array:
+        """Build the model's forward on `tokens` [B, L] (L new tokens per request, possibly a lazy
+        array still being computed); returns the last logits [B, V], unevaluated."""
+        B, L = tokens.shape
         offsets = [len(r.slots) for r in reqs]
         new_slots = self._take_slots(B * L)
-        per_req = [new_slots[b * L:(b + 1) * L] for b in range(B)]
-        saved = [(r, list(r.slots)) for r in reqs]
-        snap = [_snapshot(r.state) for r in reqs]
-        for r, s in zip(reqs, per_req):
-            r.slots.extend(s)
-        ctx_len = max(len(r.slots) for r in reqs)
-        table = np.zeros((B, ctx_len), np.int32)
-        kpos = np.full((B, ctx_len), -1, np.int32)
+        saved = [(r, len(r.slots)) for r in reqs]
+        snap = [_snapshot(r.state) for r in reqs] if self.stateful else None
         for b, r in enumerate(reqs):
-            n = len(r.slots)
-            table[b, :n] = r.slots
-            table[b, n:] = r.slots[0]              # padding reads a valid slot; the mask hides it
-            kpos[b, :n] = np.arange(n)
-        qpos = np.asarray(offsets, np.int32)[:, None] + np.arange(L, dtype=np.int32)[None]
+            r.slots.extend(new_slots[b * L:(b + 1) * L])
+        lens = [len(r.slots) for r in reqs]
+        ctx_len = max(lens)
+        if B == 1:                                     # one request: no padding
+            table = np.asarray(reqs[0].slots, np.int32)[None]
+            kpos = self._arange[:ctx_len][None]
+        else:
+            table = np.empty((B, ctx_len), np.int32)
+            for b, r in enumerate(reqs):
+                n = lens[b]
+                table[b, :n] = r.slots
+                table[b, n:] = r.slots[0]              # padding reads a valid slot; the mask hides it
+            ar = self._arange[:ctx_len][None]
+            kpos = np.where(ar < np.asarray(lens, np.int32)[:, None], ar, np.int32(-1))
+        qpos = np.asarray(offsets, np.int32)[:, None] + self._arange[:L][None]
         self.step_ctx = Step(B, L, offsets, mx.array(qpos.reshape(-1)),
-                             mx.array(np.asarray(per_req, np.int32).reshape(-1)), mx.array(table), mx.array(kpos),
+                             mx.array(np.asarray(new_slots, np.int32)), mx.array(table), mx.array(kpos),
                              mx.array(qpos))
-        caches = []
-        for i in range(len(self.own_template)):
-            states = [r.state[i] for r in reqs]
-            caches.append(self._assemble(self.own_template[i], self.kv_paths.get(i), i, states))
+        if self._static_caches is not None:
+            caches = self._static_caches
+        else:
+            caches = [self._assemble(self.own_template[i], self.kv_paths.get(i), i, [r.state[i] for r in reqs])
+                      for i in range(len(self.own_template))]
         for attn, attr, hook in self.hooks.values():
             if isinstance(hook, RopeCapture):
                 hook.reset()
             setattr(attn, attr, hook)
         try:
-            logits = self.model(mx.array(new_tokens, dtype=mx.int32), cache=caches)[:, -1, :]
+            logits = self.model(tokens, cache=caches)[:, -1, :]
             for i, (attn, attr, hook) in self.hooks.items():
                 if isinstance(hook, RopeCapture) and hook.calls:
                     raise EngineError(f"layer {i}: the attention called its rope but never wrote the cache")
@@ -408,9 +423,10 @@ class SlotEngine:
                 for i in self.stateful:
                     _split_into(caches[i], [r.state[i] for r in reqs])
         except BaseException:
-            for (r, slots), s in zip(saved, snap):  # leave the requests as they were
-                r.slots = slots
-                _restore(r.state, s)
+            for j, (r, n) in enumerate(saved):       # leave the requests as they were
+                del r.slots[n:]
+                if snap is not None:
+                    _restore(r.state, snap[j])
             self.free.extend(reversed(new_slots))
             raise
         finally:
@@ -420,18 +436,50 @@ class SlotEngine:
                     hook.reset()
         return logits
 
-    def _emit(self, reqs: list[Request], logits: mx.array) -> list[tuple[int, int]]:
+    def _launch(self, reqs: list[Request], logits: mx.array) -> "_InFlight":
+        """Queue the greedy tokens (and recorded logits) of a forward with mx.async_eval: the device
+        runs it while Python builds the next step; the tokens are read later (`_read`)."""
         nxt = mx.argmax(logits, axis=-1)
-        mx.eval(nxt, logits)
-        if self.record_logits:
-            rows = np.array(logits.astype(mx.float32))
-            for r, row in zip(reqs, rows):
-                r.logits.append(row)
+        kept = logits if self.record_logits else None
+        if kept is not None:
+            mx.async_eval(nxt, kept)
+        else:
+            mx.async_eval(nxt)
+        g = _InFlight(reqs, nxt, kept)
+        for b, r in enumerate(reqs):
+            r.scheduled += 1
+            r.last, r.last_row = g, b
+        return g
+
+    def _inputs(self, reqs: list[Request]) -> mx.array:
+        """[B, 1] next inputs: each request's newest token, lazily (greedy feeds the argmax back, as
+        mlx-lm does, without waiting for it). The previous batch unchanged is its token array as is."""
+        g = reqs[0].last
+        if len(g.reqs) == len(reqs) and all(r.last is g and r.last_row == b for b, r in enumerate(reqs)):
+            col = g.tokens
+        else:
+            col = mx.concatenate([r.last.tokens[r.last_row:r.last_row + 1] for r in reqs])
+        return col.astype(mx.int32)[:, None]
+
+    @staticmethod
+    def _read(groups: list["_InFlight"]) -> list[tuple[int, int]]:
+        """Wait for queued forwards and hand their tokens (and logits) to their requests."""
         out = []
-        for r, t in zip(reqs, nxt.tolist()):
-            r.generated.append(int(t))
-            out.append((r.rid, int(t)))
+        for g in groups:
+            toks = g.tokens.tolist()
+            if g.logits is not None:
+                for r, row in zip(g.reqs, np.array(g.logits.astype(mx.float32))):
+                    r.logits.append(row)
+            for r, t in zip(g.reqs, toks):
+                r.generated.append(t)
+                out.append((r.rid, t))
         return out
+
+    def flush(self) -> list[tuple[int, int]]:
+        """Read every queued decode step now; returns the (request id, token) pairs (step() does this
+        by itself when nothing is left to run)."""
+        groups, self._inflight = self._inflight, []
+        return self._read(groups)
 
     def _outstanding(self, r: Request) -> int:
         """Slots `r` will still take: prompt + max_new_tokens - 1 in all (the last token is never written)."""
@@ -439,41 +487,61 @@ class SlotEngine:
 
     def step(self) -> list[tuple[int, int]]:
         """Admit and prefill waiting requests (one at a time, first come first served, while the pool
-        can hold everything they and the running requests will still write), then one decode step
-        for the requests that were already running (batched). Returns the (request id, token) pairs
-        produced. Admission reserves whole requests, so a decode step never runs out of slots."""
-        out: list[tuple[int, int]] = []
+        can hold everything they and the running requests will still write), then queue one decode
+        step for the requests that were already running (batched). Returns the (request id, token)
+        pairs read: the prefills' first tokens, and the previous step's decode tokens.
+
+        Pipelined like mlx-lm's generate_step: the decode step is queued with mx.async_eval on the
+        previous step's tokens as lazy arrays, and only then are the previous step's tokens read, so
+        the device computes step n while Python builds step n+1. A request leaves `running` (and
+        gives its slots back) once its last forward is queued; its last tokens arrive with the next
+        step, or now when nothing is left to run. Admission reserves whole requests, so a decode
+        step never runs out of slots."""
         decode = [self.requests[rid] for rid in self.running]
+        prev, self._inflight = self._inflight, []
+        admitted: list[_InFlight] = []
         t0 = time.perf_counter()
-        reserved = sum(self._outstanding(r) for r in decode)
-        for rid in list(self.waiting):
+        try:
+            reserved = sum(self._outstanding(r) for r in decode)
+            for rid in list(self.waiting):
+                r = self.requests[rid]
+                if self._outstanding(r) > len(self.free) - reserved:
+                    break                                     # waits for running requests to finish
+                reserved += self._outstanding(r) - len(r.prompt)
+                r.state = make_own_cache(self.model) if self.stateful else [None] * len(self.own_template)
+                admitted.append(self._launch([r], self._forward([r], mx.array([r.prompt], dtype=mx.int32))))
+                self.timing["prefill_tokens"] += len(r.prompt)
+                self.waiting.remove(rid)
+                self.running.append(rid)
+            if self.waiting and not decode and not self.running:
+                r = self.requests[self.waiting[0]]
+                raise EngineError(f"request {r.rid} needs {self._outstanding(r)} slots and only {len(self.free)} "
+                                  f"of {self.pool_size} are free with nothing running")
+            t1 = time.perf_counter()
+            if decode:
+                if self.batch_reason:
+                    for r in decode:
+                        self._inflight.append(self._launch([r], self._forward([r], self._inputs([r]))))
+                else:
+                    self._inflight.append(self._launch(decode, self._forward(decode, self._inputs(decode))))
+        except BaseException:
+            self._inflight = prev + self._inflight + admitted   # nothing queued is lost
+            raise
+        for rid in list(self.running):
             r = self.requests[rid]
-            if self._outstanding(r) > len(self.free) - reserved:
-                break                                     # waits for running requests to finish
-            reserved += self._outstanding(r) - len(r.prompt)
-            r.state = make_own_cache(self.model) if self.stateful else [None] * len(self.own_template)
-            out += self._emit([r], self._forward([r], [r.prompt]))
-            self.timing["prefill_tokens"] += len(r.prompt)
-            self.waiting.remove(rid)
-            self.running.append(rid)
-        if self.waiting and not decode and not self.running:
-            r = self.requests[self.waiting[0]]
-            raise EngineError(f"request {r.rid} needs {self._outstanding(r)} slots and only {len(self.free)} of "
-                              f"{self.pool_size} are free with nothing running")
-        t1 = time.perf_counter()
-        self.timing["prefill_s"] += t1 - t0
+            if r.scheduled >= r.max_new_tokens:
+                self.release(rid)
+        out = self._read(prev) + self._read(admitted)
+        if not self.waiting and not self.running:
+            out += self.flush()
+        t2 = time.perf_counter()
         if decode:
-            if self.batch_reason:
-                for r in decode:
-                    out += self._emit([r], self._forward([r], [[r.generated[-1]]]))
-            else:
-                out += self._emit(decode, self._forward(decode, [[r.generated[-1]] for r in decode]))
-            self.timing["decode_s"] += time.perf_counter() - t1
+            self.timing["prefill_s"] += t1 - t0
+            self.timing["decode_s"] += t2 - t1
             self.timing["decode_tokens"] += len(decode)
             self.timing["decode_steps"] += 1
-        for rid in list(self.running):
-            if self.requests[rid].done:
-                self.release(rid)
+        else:
+            self.timing["prefill_s"] += t2 - t0
         return out
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -481,7 +549,7 @@ class SlotEngine:
         order), timings and, with record_logits, each step's float32 logits per request [steps, V]."""
         before = dict(self.timing)
         rids = [self.add_request(p, max_new_tokens) for p in prompts]
-        while self.waiting or self.running:
+        while self.waiting or self.running or self._inflight:
             self.step()
         reqs = [self.requests.pop(rid) for rid in rids]
         t = {k: self.timing[k] - before[k] for k in self.timing}
@@ -490,6 +558,14 @@ class SlotEngine:
         if self.record_logits:
             out["logits"] = [np.stack(r.logits) for r in reqs]
         return out
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """One queued forward: its requests, their greedy tokens [B] and (recording) logits [B, V]."""
+    reqs: list[Request]
+    tokens: mx.array
+    logits: mx.array | None
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -1,0 +1,439 @@
+"""End-to-end greedy decode on real-size mlx-lm models with random weights: mlx-lm's own loop, the
+slot engine in each mode, and mlx-lm's loop on the project's drop-in cache (`bench --e2e`).
+
+Each cell (size, dtype, batch, prompt length) builds `batch` random prompts, runs every mode once
+untimed (short), then `rounds` timed rounds, the modes round-robin inside each round (a transient
+slowdown of the host hits every mode alike), and keeps the median per mode. A run is timed from the
+first model call to the first generated token of every request (prefill) and from there to the
+last token (decode: batch x (decode_tokens - 1) tokens).
+
+What each mode runs (mlx-lm 0.32.2's own loops, not a copy of them):
+  - mlx_lm: batch 1 through `mlx_lm.generate.generate_step` (what `generate`/`stream_generate`
+    run: its own `make_prompt_cache`, `mx.async_eval` pipelining); batch > 1 through
+    `BatchGenerator` (what `batch_generate` runs), with prefill_batch_size = completion_batch_size
+    = batch so that every request is prefilled in one batch and decoded together;
+  - module / reference / fused: `SlotEngine(model, mode=...)`, every request admitted at once;
+  - mlx_lm_fused_cache: the same mlx-lm loops on `registry.integrations.mlx_lm.make_prompt_cache`
+    (skipped, with the reason, where that is not importable or cannot batch).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .cases import BenchmarkError
+
+MODES = ("mlx_lm", "module", "reference", "fused", "mlx_lm_fused_cache")
+ENGINE_MODES = ("module", "reference", "fused")
+DTYPES = ("bfloat16", "float16", "float32")
+BATCHES, PROMPTS, DECODE_TOKENS, ROUNDS = (1, 8, 32), (128, 2048), 64, 3
+# The CPU's defaults: a 2-core machine prefills a 2048-token prompt of even the tiny sizes in tens of
+# seconds (bf16/f16 matmuls are not native there), so its cells are shorter.
+CPU_DTYPES, CPU_BATCHES, CPU_PROMPTS, CPU_DECODE_TOKENS = ("bfloat16",), (1, 8), (32, 128), 32
+WARMUP_TOKENS, WARMUP_MAX_PROMPT = 3, 128     # the untimed run per mode: short, same batch
+BF16_LOGIT_TOL = 0.05                          # docs/engine.md: max |engine - mlx-lm| <= 0.05 * max |logit|
+CHECK_PROMPT, CHECK_TOKENS, CHECK_BATCH = 12, 8, 2
+NEAR_TIE = 1e-3                                # float32: a token may flip where mlx-lm's top-2 gap is this close
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    config: dict
+    check_layers: int          # the agreement check runs the config cut to this many layers
+    note: str
+    cpu: bool = False          # small enough for a 2-core CPU
+
+
+def _llama(layers, hidden, heads, kv, head_dim, inter, vocab, tie, **kw):
+    return dict(model_type="llama", num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                num_key_value_heads=kv, head_dim=head_dim, intermediate_size=inter, vocab_size=vocab,
+                tie_word_embeddings=tie, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3,
+                max_position_embeddings=131072, **kw)
+
+
+def _qwen3(layers, hidden, heads, kv, head_dim, inter, vocab):
+    return dict(model_type="qwen3", num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                num_key_value_heads=kv, head_dim=head_dim, intermediate_size=inter, vocab_size=vocab,
+                tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960)
+
+
+def _gemma3(layers, hidden, heads, kv, head_dim, inter, vocab, window, pattern):
+    return dict(model_type="gemma3_text", num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                num_key_value_heads=kv, head_dim=head_dim, intermediate_size=inter, vocab_size=vocab,
+                sliding_window=window, sliding_window_pattern=pattern, query_pre_attn_scalar=head_dim,
+                rope_theta=1e6, rope_local_base_freq=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+
+
+SIZES: dict[str, Size] = {s.name: s for s in (
+    Size("llama-8b", _llama(32, 4096, 32, 8, 128, 14336, 128256, False), 2,
+         "Llama-3.1-8B dims: 32 layers, hidden 4096, 32/8 heads, head_dim 128, llama3 RoPE"),
+    Size("llama-1b", _llama(16, 2048, 32, 8, 64, 8192, 128256, True), 2,
+         "Llama-3.2-1B dims: 16 layers, hidden 2048, 32/8 heads, head_dim 64, llama3 RoPE, tied head"),
+    Size("qwen3-1.7b", _qwen3(28, 2048, 16, 8, 128, 6144, 151936), 2,
+         "Qwen3-1.7B dims: 28 layers, hidden 2048, 16/8 heads, head_dim 128, q/k RMSNorm"),
+    Size("gemma3-1b", _gemma3(26, 1152, 4, 1, 256, 6912, 262144, 512, 6), 6,
+         "Gemma-3-1B dims: 26 layers (5 sliding of window 512 : 1 global), hidden 1152, 4/1 heads, head_dim 256"),
+    Size("tiny-llama", _llama(4, 256, 8, 2, 32, 512, 4096, True), 4,
+         "CPU size: 4 layers, hidden 256, 8/2 heads, head_dim 32, llama3 RoPE", cpu=True),
+    Size("tiny-qwen3", _qwen3(4, 256, 8, 4, 32, 512, 4096), 4,
+         "CPU size: 4 layers, hidden 256, 8/4 heads, head_dim 32, q/k RMSNorm", cpu=True),
+    Size("tiny-gemma3", _gemma3(6, 256, 4, 1, 64, 512, 4096, 64, 3), 6,
+         "CPU size: 6 layers (2 sliding of window 64 : 1 global), hidden 256, 4/1 heads, head_dim 64", cpu=True),
+)}
+GPU_SIZES = ("llama-8b", "llama-1b", "qwen3-1.7b", "gemma3-1b")
+CPU_SIZES = ("tiny-llama", "tiny-qwen3", "tiny-gemma3")
+
+
+def random_model(config: dict, dtype):
+    """An mlx-lm model of `config` with random weights made directly in `dtype` (matrices N(0, 1/(3
+    fan_in)): the spread of mlx-lm's own uniform init, which the engine tests use; norms and other
+    vectors keep the class's own init): the model class's own lazy
+    initialisation is replaced before it is ever evaluated, so a 16 GB model costs 16 GB."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from registry.integrations.mlx_lm import MODEL_REMAPPING, import_mlx_lm_module
+
+    arch = import_mlx_lm_module(MODEL_REMAPPING.get(config["model_type"], config["model_type"]))
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    new = [(k, mx.random.normal(v.shape, dtype=dtype) * ((3 * v.shape[-1]) ** -0.5) if v.ndim >= 2 else v.astype(dtype))
+           for k, v in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(new))
+    mx.eval(model.parameters())
+    return model
+
+
+def fused_cache_factory() -> tuple[Callable | None, str]:
+    """(registry.integrations.mlx_lm.make_prompt_cache, "") or (None, why it is not available)."""
+    try:
+        from registry.integrations.mlx_lm import make_prompt_cache
+    except ImportError as e:
+        return None, f"registry.integrations.mlx_lm.make_prompt_cache is not importable ({e})"
+    return make_prompt_cache, ""
+
+
+# ----------------------------------------------------------------------------- one run per mode
+
+def sync() -> None:
+    """Wait for the default stream and mlx-lm's generation stream (its loops run there)."""
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize()
+    mx.synchronize(generation_stream)
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    prefill_s: float
+    decode_s: float
+    logits: list[np.ndarray] | None = None
+
+
+def _mlx_lm_single(model, prompt: list[int], n: int, cache) -> Run:
+    from mlx_lm.generate import generate_step
+
+    toks = []
+    t0 = time.perf_counter()
+    t1 = t0
+    for tok, _ in generate_step(mx.array(prompt, dtype=mx.int32), model, max_tokens=n, prompt_cache=cache):
+        toks.append(int(tok))
+        if len(toks) == 1:
+            t1 = time.perf_counter()
+    t2 = time.perf_counter()
+    sync()                         # generate_step queues one step past the last token it yields
+    return Run([toks], t1 - t0, t2 - t1)
+
+
+def _mlx_lm_batch(model, prompts: list[list[int]], n: int, caches) -> Run:
+    from mlx_lm.generate import BatchGenerator
+
+    B = len(prompts)
+    gen = BatchGenerator(model, max_tokens=n, completion_batch_size=B, prefill_batch_size=B)
+    try:
+        uids = gen.insert(prompts, caches=caches)
+        got: dict[int, list[int]] = {u: [] for u in uids}
+        t0 = time.perf_counter()
+        t1 = None
+        while responses := gen.next_generated():
+            for r in responses:
+                got[r.uid].append(r.token)
+            if t1 is None:
+                t1 = time.perf_counter()
+        t2 = time.perf_counter()
+    finally:
+        gen.close()
+    sync()
+    return Run([got[u] for u in uids], t1 - t0, t2 - t1)
+
+
+def run_mlx_lm(model, prompts, n, cache_factory) -> Run:
+    """mlx-lm's own loop on `cache_factory(model)` caches (one list per request)."""
+    if len(prompts) == 1:
+        return _mlx_lm_single(model, prompts[0], n, cache_factory(model))
+    return _mlx_lm_batch(model, prompts, n, [cache_factory(model) for _ in prompts])
+
+
+def run_engine(engine, prompts, n) -> Run:
+    """Every request admitted at once: the first step prefills them all and reads their first tokens."""
+    rids = [engine.add_request(p, n) for p in prompts]
+    t0 = time.perf_counter()
+    engine.step()
+    t1 = time.perf_counter()
+    while engine.waiting or engine.running:     # the step that queues the last forward reads everything
+        engine.step()
+    t2 = time.perf_counter()
+    reqs = [engine.requests.pop(rid) for rid in rids]
+    logits = [np.stack(r.logits) for r in reqs] if engine.record_logits else None
+    return Run([r.generated for r in reqs], t1 - t0, t2 - t1, logits)
+
+
+class Modes:
+    """The modes of one model: how to run each, and why a mode cannot run."""
+
+    def __init__(self, model, modes, pool_size: int, record_logits: bool = False):
+        from registry.integrations.mlx_lm import build_kernel_sets, make_own_cache
+        from registry.integrations.slot_engine import SlotEngine
+
+        self.model = model
+        self.skipped: dict[str, str] = {}
+        self.engines = {}
+        self.implementation: dict[str, str] = {}
+        kernels = build_kernel_sets(model) if any(m in ENGINE_MODES for m in modes) else None
+        for m in modes:
+            if m in ENGINE_MODES:
+                e = SlotEngine(model, pool_size=pool_size, mode=m, kernels=kernels, record_logits=record_logits)
+                self.engines[m] = e
+                self.implementation[m] = ", ".join(sorted({f"{p.path}" + (f" ({p.reason.split(' ')[0]})"
+                                                                          if p.path == "fused" else "")
+                                                           for p in e.plans.values()}))
+        self.factories = {"mlx_lm": make_own_cache}
+        if "mlx_lm_fused_cache" in modes:
+            factory, why = fused_cache_factory()
+            if factory is None:
+                self.skipped["mlx_lm_fused_cache"] = why
+            else:
+                self.factories["mlx_lm_fused_cache"] = factory
+        self.modes = [m for m in modes if m not in self.skipped]
+
+    def run(self, mode: str, prompts, n) -> Run:
+        if mode in self.engines:
+            return run_engine(self.engines[mode], prompts, n)
+        return run_mlx_lm(self.model, prompts, n, self.factories[mode])
+
+    def try_run(self, mode: str, prompts, n) -> Run | None:
+        """run(), except that a mode mlx-lm's loop refuses (a cache that cannot batch) is skipped with
+        the reason instead of ending the benchmark."""
+        try:
+            return self.run(mode, prompts, n)
+        except (ValueError, NotImplementedError, AttributeError, TypeError) as e:
+            if mode != "mlx_lm_fused_cache":
+                raise
+            self.skipped[mode] = f"mlx-lm's loop refused the cache at batch {len(prompts)}: {type(e).__name__}: {e}"
+            self.modes.remove(mode)
+            return None
+
+
+# ----------------------------------------------------------------------------- agreement check
+
+def teacher_forced_logits(model, cache, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """float32 logits [len(tokens), V] of `model` on `cache` fed the prompt, then `tokens` one by one."""
+    out = [model(mx.array([prompt], dtype=mx.int32), cache=cache)[0, -1]]
+    for t in tokens[:-1]:
+        out.append(model(mx.array([[t]], dtype=mx.int32), cache=cache)[0, -1])
+    return np.array(mx.stack(out).astype(mx.float32))
+
+
+def check_agreement(size: Size, modes, dtypes, seed: int = 0) -> list[str]:
+    """Before timing: the size's config cut to `check_layers` layers (every layer kind kept), batch
+    of CHECK_BATCH prompts. float32: every mode's greedy tokens identical to mlx_lm's. Each half
+    dtype asked for: the engine modes' recorded logits and the fused cache's teacher-forced logits
+    within BF16_LOGIT_TOL x max |logit| of mlx-lm's own teacher-forced logits. Returns what was
+    checked; BenchmarkError names the mode and request that disagree."""
+    from mlx.utils import tree_map
+
+    from registry.integrations.mlx_lm import make_own_cache
+
+    cfg = dict(size.config, num_hidden_layers=min(size.check_layers, size.config["num_hidden_layers"]))
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, cfg["vocab_size"], CHECK_PROMPT).tolist() for _ in range(CHECK_BATCH)]
+    done = []
+    mx.random.seed(seed)
+    model = random_model(cfg, mx.float32)
+    runner = Modes(model, ["mlx_lm", *[m for m in modes if m != "mlx_lm"]], CHECK_BATCH * (CHECK_PROMPT + CHECK_TOKENS))
+    want = runner.run("mlx_lm", prompts, CHECK_TOKENS).tokens
+    ties: list[str] = []
+    for m in list(runner.modes):
+        if m == "mlx_lm":
+            continue
+        got = runner.try_run(m, prompts, CHECK_TOKENS)
+        if got is None:
+            continue
+        for i, (g, w) in enumerate(zip(got.tokens, want)):
+            if g == w:
+                continue
+            at = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
+            if at is not None:           # a near-tie of mlx-lm's own logits may flip on round-off alone
+                ref = teacher_forced_logits(model, make_own_cache(model), prompts[i], w)[at]
+                gap = float(ref[w[at]] - ref[g[at]])
+                if gap <= NEAR_TIE * float(np.abs(ref).max()):
+                    ties.append(f"{m} request {i} at token {at} (logit gap {gap:.2g})")
+                    continue
+            raise BenchmarkError(f"agreement check ({size.name}, float32, {cfg['num_hidden_layers']} layers): "
+                                 f"mode {m} request {i} tokens {g} differ from mlx_lm's {w} (first at {at})")
+    done.append(f"float32 tokens identical: {', '.join(runner.modes)} ({CHECK_BATCH} prompts of {CHECK_PROMPT}, "
+                f"{CHECK_TOKENS} tokens, {cfg['num_hidden_layers']} layers)"
+                + (f"; up to near-ties of mlx-lm's logits: {', '.join(ties)}" if ties else ""))
+    del runner, model
+    for dt in [d for d in dtypes if d != "float32"]:
+        mx.random.seed(seed)
+        model = random_model(cfg, getattr(mx, dt))
+        runner = Modes(model, [m for m in modes if m != "mlx_lm"], CHECK_BATCH * (CHECK_PROMPT + CHECK_TOKENS),
+                       record_logits=True)
+        f32_model = random_model(cfg, mx.float32)       # the same half-precision weights, in float32
+        f32_model.update(tree_map(lambda v: v.astype(mx.float32), model.parameters()))
+        mx.eval(f32_model.parameters())
+        worst, over = {}, []
+        for m in runner.modes:
+            if m in runner.engines:
+                r = runner.run(m, prompts, CHECK_TOKENS)
+                pairs = [(r.logits[i], r.tokens[i]) for i in range(len(prompts))]
+            else:
+                pairs = [(teacher_forced_logits(model, runner.factories[m](model), p, want_p), want_p)
+                         for p, want_p in zip(prompts, want)]
+            for i, (logits, toks) in enumerate(pairs):
+                ref = teacher_forced_logits(model, make_own_cache(model), prompts[i], toks)
+                err, scale = float(np.abs(logits - ref).max()), float(np.abs(ref).max())
+                if not np.isfinite(err):
+                    raise BenchmarkError(f"agreement check ({size.name}, {dt}): mode {m} request {i}: non-finite logits")
+                if err > BF16_LOGIT_TOL * scale:
+                    # docs/engine.md's second bound: against float32 (the same weights), the engine's error
+                    # is at most twice mlx-lm's own half-precision error
+                    truth = teacher_forced_logits(f32_model, make_own_cache(f32_model), prompts[i], toks)
+                    eng, own = float(np.abs(logits - truth).max()), float(np.abs(ref - truth).max())
+                    if eng > 2 * own + 1e-3 * scale:
+                        raise BenchmarkError(
+                            f"agreement check ({size.name}, {dt}): mode {m} request {i}: max |logit - mlx-lm| = "
+                            f"{err:.4g} > {BF16_LOGIT_TOL} x max |logit| ({scale:.4g}), and its error against float32 "
+                            f"({eng:.4g}) is more than twice mlx-lm's own ({own:.4g})")
+                    over.append(f"{m} request {i}: {err / scale:.3f} of max|logit|, error vs float32 {eng:.3g} "
+                                f"<= 2 x mlx-lm's {own:.3g}")
+                worst[m] = max(worst.get(m, 0.0), err / scale)
+        done.append(f"{dt} logits agree with mlx-lm's (max |diff| / max |logit|, bound {BF16_LOGIT_TOL}, else at "
+                    f"most twice mlx-lm's own error against float32): "
+                        + ", ".join(f"{m} {v:.4f}" for m, v in worst.items())
+                    + (f"; past {BF16_LOGIT_TOL}: {'; '.join(over)}" if over else ""))
+        del runner, model, f32_model
+    gc.collect()
+    mx.clear_cache()
+    return done
+
+
+# ----------------------------------------------------------------------------- timing
+
+@dataclass
+class E2ECell:
+    size: str
+    batch: int
+    prompt: int
+    dtype: str
+    mode: str
+    decode_tokens: int
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+    decode_ms_per_step: float
+    rounds: int
+    decode_s: list[float] = field(default_factory=list)      # per round
+    prefill_s: list[float] = field(default_factory=list)
+    implementation: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def pool_needed(batch: int, prompt: int, decode_tokens: int) -> int:
+    return batch * (prompt + decode_tokens - 1)
+
+
+def time_cell(size: Size, model, dtype: str, batch: int, prompt: int, decode_tokens: int, modes, rounds: int,
+              pool_size: int | None, seed: int = 0) -> tuple[list[E2ECell], dict[str, str]]:
+    """Median of `rounds` interleaved rounds per mode; (cells, {skipped mode: why})."""
+    rng = np.random.default_rng(seed + 1000 * batch + prompt)
+    prompts = [rng.integers(0, size.config["vocab_size"], prompt).tolist() for _ in range(batch)]
+    runner = Modes(model, modes, pool_size or pool_needed(batch, prompt, decode_tokens))
+    warm = [p[:WARMUP_MAX_PROMPT] for p in prompts]
+    for m in list(runner.modes):
+        runner.try_run(m, warm, WARMUP_TOKENS)
+    times: dict[str, list[tuple[float, float]]] = {m: [] for m in runner.modes}
+    tokens: dict[str, list] = {}
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for m in runner.modes:
+                sync()
+                r = runner.run(m, prompts, decode_tokens)
+                times[m].append((r.prefill_s, r.decode_s))
+                tokens[m] = r.tokens
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    cells = []
+    for m in runner.modes:
+        pre = statistics.median(t[0] for t in times[m])
+        dec = statistics.median(t[1] for t in times[m])
+        n = decode_tokens - 1
+        cells.append(E2ECell(size.name, batch, prompt, dtype, m, decode_tokens,
+                             decode_tokens_per_s=batch * n / dec if dec > 0 else 0.0,
+                             prefill_tokens_per_s=batch * prompt / pre if pre > 0 else 0.0,
+                             decode_ms_per_step=dec / n * 1e3 if n else 0.0, rounds=rounds,
+                             decode_s=[round(t[1], 6) for t in times[m]],
+                             prefill_s=[round(t[0], 6) for t in times[m]],
+                             implementation=runner.implementation.get(m, "mlx-lm")))
+    skipped = dict(runner.skipped)
+    del runner
+    gc.collect()
+    mx.clear_cache()
+    return cells, skipped
+
+
+def run(sizes, dtypes, batches, prompts, decode_tokens: int, modes, rounds: int, pool_size: int | None = None,
+        check: bool = True, progress: Callable | None = None, log: Callable[[str], None] = lambda s: None
+        ) -> tuple[list[E2ECell], list[dict], list[str]]:
+    """Every (size, dtype, batch, prompt) cell: (cells, skipped [{size, ..., mode, reason}], checks done)."""
+    cells, skipped, checks = [], [], []
+    grid = [(s, d, b, p) for s in sizes for d in dtypes for b in batches for p in prompts]
+    i = 0
+    for s in sizes if check else ():                  # every check before any timing: a failure costs seconds
+        for line in check_agreement(SIZES[s], modes, dtypes):
+            checks.append(f"{s}: {line}")
+            log(f"# check {s}: {line}")
+    for s in sizes:
+        size = SIZES[s]
+        for d in dtypes:
+            mx.random.seed(0)
+            t0 = time.perf_counter()
+            model = random_model(size.config, getattr(mx, d))
+            log(f"# {s} {d}: random weights in {time.perf_counter() - t0:.1f}s")
+            for b in batches:
+                for p in prompts:
+                    i += 1
+                    got, why = time_cell(size, model, d, b, p, decode_tokens, modes, rounds, pool_size)
+                    cells += got
+                    skipped += [dict(size=s, dtype=d, batch=b, prompt=p, mode=m, reason=r) for m, r in why.items()]
+                    if progress:
+                        progress(i, len(grid), got, why)
+            del model
+            gc.collect()
+            mx.clear_cache()
+    return cells, skipped, checks

@@ -1,0 +1,118 @@
+"""`bench --e2e`: the end-to-end harness on the CPU at tiny sizes (a seconds-long smoke run, the CLI's
+argument errors, the report's target verdicts). No assertion depends on how fast anything is."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+from benchmarks import e2e, report
+from benchmarks.cli import bench
+from benchmarks.e2e import E2ECell
+
+
+def run_cli(*args):
+    return CliRunner().invoke(bench, ["--e2e", *args], catch_exceptions=False)
+
+
+def test_smoke_run_writes_every_output(tmp_path):
+    out = run_cli("--smoke", "--json", str(tmp_path / "e.json"), "--markdown", str(tmp_path / "e.md"),
+                  "--plot", str(tmp_path / "e.png"))
+    assert out.exit_code == 0, out.output
+    doc = json.loads((tmp_path / "e.json").read_text())
+    cells = doc["cells"]
+    factory, _ = e2e.fused_cache_factory()
+    want = {"mlx_lm", "module", "reference", "fused"} | ({"mlx_lm_fused_cache"} if factory else set())
+    assert {(c["batch"], c["mode"]) for c in cells} == {(b, m) for b in (1, 2) for m in want}
+    for c in cells:
+        assert (c["size"], c["prompt"], c["dtype"]) == ("tiny-llama", 16, "bfloat16")
+        assert c["decode_tokens_per_s"] > 0 and c["prefill_tokens_per_s"] > 0 and c["rounds"] == 1
+    if not factory:                                         # skipped, and the reason says why
+        assert {s["mode"] for s in doc["skipped"]} == {"mlx_lm_fused_cache"}
+        assert "make_prompt_cache" in doc["skipped"][0]["reason"]
+    assert doc["info"]["mlx"] == mx.__version__ and doc["info"]["commit"] and doc["command"]
+    assert any("float32 tokens identical" in c for c in doc["info"]["checks"])
+    assert any("bfloat16 logits agree with mlx-lm" in c for c in doc["info"]["checks"])
+    md = (tmp_path / "e.md").read_text()
+    assert "| tiny-llama | bfloat16 | 2 | 16 |" in md and "CPU: fused >= module" in md
+    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args, flag, says", [
+    (["--sizes", "llama-70b"], "--sizes", "'llama-70b' is not one of llama-8b"),
+    (["--modes", "fused,vllm"], "--modes", "'vllm' is not one of mlx_lm"),
+    (["--batches", "0"], "--batches", "positive integers"),
+    (["--batches", "two"], "--batches", "positive integers"),
+    (["--prompts", ""], "--prompts", "positive integers"),
+    (["--decode-tokens", "1"], "--decode-tokens", "1 is not in the range x>=2"),
+    (["--batches", "32", "--prompts", "128", "--decode-tokens", "64", "--pool-size", "1000"], "--pool-size",
+     "cannot hold batch 32 x (prompt 128 + 64 decode tokens - 1) = 6112"),
+    (["--layers", "4"], "--layers", "not options of --e2e"),
+    (["--dtypes", "float8"], "--dtypes", "'float8' is not one of"),
+])
+def test_bad_arguments_name_the_flag(args, flag, says):
+    out = run_cli(*args)
+    assert out.exit_code == 2 and flag in out.output and says in out.output, out.output
+
+
+def test_e2e_options_need_e2e():
+    out = CliRunner().invoke(bench, ["--sizes", "tiny-llama", "--smoke"])
+    assert out.exit_code == 2 and "--sizes, --smoke: only with --e2e" in out.output
+
+
+def test_random_model_is_built_in_the_target_dtype():
+    model = e2e.random_model(dict(e2e.SIZES["tiny-qwen3"].config, num_hidden_layers=1), mx.float16)
+    from mlx.utils import tree_flatten
+    params = dict(tree_flatten(model.parameters()))
+    assert {v.dtype for v in params.values()} == {mx.float16}
+    w = params["model.layers.0.mlp.down_proj.weight"]        # N(0, 1/(3 fan_in))
+    assert abs(float(mx.std(w.astype(mx.float32))) * (3 * w.shape[1]) ** 0.5 - 1) < 0.05
+
+
+def test_big_sizes_have_the_dims_the_issue_names():
+    c8, c1 = e2e.SIZES["llama-8b"].config, e2e.SIZES["llama-1b"].config
+    assert [c8[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                            "head_dim", "vocab_size", "intermediate_size")] == [32, 4096, 32, 8, 128, 128256, 14336]
+    assert [c1[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                            "head_dim", "vocab_size", "intermediate_size")] == [16, 2048, 32, 8, 64, 128256, 8192]
+    assert not any(e2e.SIZES[s].cpu for s in e2e.GPU_SIZES) and all(e2e.SIZES[s].cpu for s in e2e.CPU_SIZES)
+
+
+def cell(mode, tps, batch=1, size="s"):
+    return E2ECell(size, batch, 128, "bfloat16", mode, 64, tps, 1000.0, 1e3 / tps, 3)
+
+
+def test_targets_compare_modes_within_each_cell():
+    cells = [cell("mlx_lm", 100), cell("module", 95), cell("fused", 120),
+             cell("mlx_lm", 400, 8), cell("module", 500, 8), cell("fused", 540, 8)]
+    got = {name: (met, ev) for name, met, ev in report.e2e_targets(cells, "cuda")}
+    assert got["fused >= 1.10x module (every cell)"][0] is False          # b8: 1.08x
+    assert "worst 1.08x (s bfloat16 b8 p128)" in got["fused >= 1.10x module (every cell)"][1]
+    assert got["batch 1: module within 10% of mlx_lm"][0] is True          # 0.95
+    assert got["batch 1: fused >= mlx_lm"][0] is True
+    assert [n for n, _, _ in report.e2e_targets(cells, "cpu")] == ["CPU: fused >= module (every cell)"]
+    table = report.e2e_table(cells)
+    assert "1.26" in table and "1.08" in table                             # fused/module per row
+
+
+def test_from_json_merges_runs_and_refuses_a_cell_twice(tmp_path):
+    info = dict(backend="cuda", device="gpu", mlx=mx.__version__, date="2026-12-01T00:00:00Z", commit="abc",
+                checks=["a check"], sizes={"s": "a size"})
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    report.write_e2e_json(a, [cell("module", 100), cell("fused", 120)], [], info, "run a")
+    report.write_e2e_json(b, [cell("module", 400, 8), cell("fused", 500, 8)], [], info, "run b")
+    out = run_cli("--from-json", str(a), "--from-json", str(b), "--markdown", str(tmp_path / "m.md"))
+    assert out.exit_code == 0, out.output
+    assert "MET     fused >= 1.10x module (every cell): 2/2 cells" in out.output
+    assert "Command: `run a ; run b`" in (tmp_path / "m.md").read_text()
+    out = run_cli("--from-json", str(a), "--from-json", str(a))
+    assert out.exit_code == 2 and "cell s bfloat16 1 128 module is also in" in out.output
+    out = run_cli("--from-json", str(a), "--rounds", "2")
+    assert out.exit_code == 2 and "--rounds do not apply" in out.output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"info": {}, "cells": [{"size": "s"}]}')
+    out = run_cli("--from-json", str(bad))
+    assert out.exit_code == 2 and "cells[0] lacks batch" in out.output
