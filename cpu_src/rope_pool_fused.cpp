@@ -1,5 +1,5 @@
 // rope_pool_fused, CPU entry points (docs/kernel-abi.md): RoPE on q and k, k and v stored into the
-// slot-indexed pools, in one pass per token. Built by `python -m build_tools compile --target cpu`
+// slot-indexed pools (slot-major [S, Hkv, D] or head-major [B, Hkv, S, D]), in one pass per token. Built by `python -m build_tools compile --target cpu`
 // into a shared library that the MLX extension (csrc/) dlopens; args[i] points at argument i.
 #include <cmath>
 #include <cstdint>
@@ -105,6 +105,14 @@ void rotate_row(const typename C::storage* __restrict in, typename C::storage* _
     std::memcpy(out + rotary_dims, in + rotary_dims, sizeof(*in) * (head_dim - rotary_dims));
 }
 
+// Element offset of pool row (slot, h). Slot-major [S, Hkv, D]: slot is the row. Head-major
+// [B, Hkv, S, D] (mlx-lm's KVCache): slot = b * S + s. 64-bit: pools can exceed 2^31 elements.
+inline size_t pool_offset(int slot, int h, int n_kv_heads, int pool_rows, int head_dim, bool head_major) {
+  if (!head_major) return (static_cast<size_t>(slot) * n_kv_heads + h) * head_dim;
+  const int b = slot / pool_rows, s = slot % pool_rows;
+  return ((static_cast<size_t>(b) * n_kv_heads + h) * pool_rows + s) * head_dim;
+}
+
 template <typename C>
 void run(void** args) {
   using T = typename C::storage;
@@ -120,14 +128,16 @@ void run(void** args) {
   const float* inv_freq = *static_cast<const float**>(args[9]);
   const int n_tokens = *static_cast<const int32_t*>(args[10]);
   const int pool_size = *static_cast<const int32_t*>(args[11]);
-  const int n_q_heads = *static_cast<const int32_t*>(args[12]);
-  const int n_kv_heads = *static_cast<const int32_t*>(args[13]);
-  const int head_dim = *static_cast<const int32_t*>(args[14]);
-  const int rotary_dims = *static_cast<const int32_t*>(args[15]);
-  const bool traditional = *static_cast<const int32_t*>(args[16]) != 0;
-  // args[17] (heads_per_thread) shapes GPU launches only.
-  const float pos_scale = *static_cast<const float*>(args[18]);
-  const float mscale = *static_cast<const float*>(args[19]);
+  const int pool_rows = *static_cast<const int32_t*>(args[12]);
+  const int n_q_heads = *static_cast<const int32_t*>(args[13]);
+  const int n_kv_heads = *static_cast<const int32_t*>(args[14]);
+  const int head_dim = *static_cast<const int32_t*>(args[15]);
+  const int rotary_dims = *static_cast<const int32_t*>(args[16]);
+  const bool traditional = *static_cast<const int32_t*>(args[17]) != 0;
+  // args[18] (heads_per_thread) shapes GPU launches only.
+  const float pos_scale = *static_cast<const float*>(args[19]);
+  const float mscale = *static_cast<const float*>(args[20]);
+  const bool head_major = *static_cast<const int32_t*>(args[21]) != 0;
 
   const int half = rotary_dims / 2;
   std::vector<float> cs(half), sn(half);
@@ -145,12 +155,13 @@ void run(void** args) {
       rotate_row<C>(q + off, q_out + off, cs.data(), sn.data(), head_dim, rotary_dims, traditional, mscale);
     }
     const int slot = slots[t];
-    const bool write = slot >= 0 && slot < pool_size;  // slot < 0: rotate only; >= pool_size: never written
+    // slot < 0: rotate only; >= pool_size: never written (nor with no rows to divide by).
+    const bool write = slot >= 0 && slot < pool_size && (!head_major || pool_rows > 0);
     for (int h = 0; h < n_kv_heads; ++h) {
       const size_t off = (static_cast<size_t>(t) * n_kv_heads + h) * row;
       rotate_row<C>(k + off, k_out + off, cs.data(), sn.data(), head_dim, rotary_dims, traditional, mscale);
       if (write) {
-        const size_t dst = (static_cast<size_t>(slot) * n_kv_heads + h) * row;
+        const size_t dst = pool_offset(slot, h, n_kv_heads, pool_rows, head_dim, head_major);
         std::memcpy(k_pool + dst, k_out + off, sizeof(T) * row);
         std::memcpy(v_pool + dst, v + off, sizeof(T) * row);
       }

@@ -1,5 +1,6 @@
 // rope_pool_fused, CUDA entry points (docs/kernel-abi.md): one launch rotates q and k, stores the
-// rotated k and the unchanged v into the slot-indexed pools.
+// rotated k and the unchanged v into the slot-indexed pools (slot-major [S, Hkv, D] or head-major
+// [B, Hkv, S, D]; pool_offset, as in the CPU kernel).
 //
 // Work decomposition. A row (one head of one token) is split into units of W-element vectors
 // (W = 16 bytes / element size when the row layout allows it, else smaller, down to 1):
@@ -33,9 +34,18 @@ template <> struct Cvt<float> {
 template <typename T, int W> struct alignas(sizeof(T) * W) Vec { T v[W]; };
 
 struct Params {
-  int n_tokens, pool_size, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional, hpt;
+  int n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional, hpt;
   float pos_scale, mscale;
+  int pool_layout;
 };
+
+// Element offset of pool row (slot, h). Slot-major [S, Hkv, D]: slot is the row. Head-major
+// [B, Hkv, S, D] (mlx-lm's KVCache): slot = b * S + s. 64-bit: pools can exceed 2^31 elements.
+__device__ __forceinline__ long long pool_offset(int slot, int h, const Params& p) {
+  if (p.pool_layout == 0) return (static_cast<long long>(slot) * p.n_kv_heads + h) * p.head_dim;
+  const int b = slot / p.pool_rows, s = slot % p.pool_rows;
+  return ((static_cast<long long>(b) * p.n_kv_heads + h) * p.pool_rows + s) * p.head_dim;
+}
 
 template <typename T, int W>
 __device__ __forceinline__ Vec<T, W> load_vec(const T* p) { return *reinterpret_cast<const Vec<T, W>*>(p); }
@@ -94,7 +104,8 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int D = p.head_dim;
 
   const int slot = is_q ? -1 : slots[t];
-  const bool write = !is_q && slot >= 0 && slot < p.pool_size;  // never out of bounds
+  // Never out of bounds (nor a division by zero rows).
+  const bool write = !is_q && slot >= 0 && slot < p.pool_size && (p.pool_layout == 0 || p.pool_rows > 0);
 
   const bool rotary = u < rot_units;
   int off_a, off_b = 0;
@@ -118,7 +129,7 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const long long row = (static_cast<long long>(t) * n_heads + h) * D;
     const T* in = (is_q ? q : k) + row;
     T* out = (is_q ? q_out : k_out) + row;
-    const long long dst = write ? (static_cast<long long>(slot) * p.n_kv_heads + h) * D : 0;
+    const long long dst = write ? pool_offset(slot, h, p) : 0;
     V a = load_vec<T, W>(in + off_a);
     if (rotary) {
       V b = load_vec<T, W>(in + off_b);
@@ -166,10 +177,11 @@ __device__ void dispatch(const T* q, const T* k, const T* v, T* q_out, T* k_out,
   extern "C" __global__ void __launch_bounds__(256) NAME(                                               \
       const T* q, const T* k, const T* v, T* q_out, T* k_out, T* k_pool, T* v_pool,                      \
       const int32_t* positions, const int32_t* slots, const float* inv_freq, int n_tokens, int pool_size, \
-      int n_q_heads, int n_kv_heads, int head_dim, int rotary_dims, int traditional, int heads_per_thread,\
-      float pos_scale, float mscale) {                                                                   \
-    const Params p{n_tokens, pool_size, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional,       \
-                   heads_per_thread < 1 ? 1 : heads_per_thread, pos_scale, mscale};                      \
+      int pool_rows, int n_q_heads, int n_kv_heads, int head_dim, int rotary_dims, int traditional,      \
+      int heads_per_thread, float pos_scale, float mscale, int pool_layout) {                            \
+    const Params p{n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims,         \
+                   traditional, heads_per_thread < 1 ? 1 : heads_per_thread, pos_scale, mscale,           \
+                   pool_layout};                                                                         \
     dispatch<T>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p);                   \
   }
 

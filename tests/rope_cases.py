@@ -50,11 +50,14 @@ def matrix():
     return cases
 
 
-def make_case(T, Hq, Hkv, D, S, dtype, slots, seed=0, max_pos=5000):
+def make_case(T, Hq, Hkv, D, S, dtype, slots, seed=0, max_pos=5000, batch=None):
+    """q, k, v, positions, slots, k_pool, v_pool; pools slot-major [S, Hkv, D], or head-major
+    [batch, Hkv, S, D] (batch * S slots) when `batch` is given."""
     rng = np.random.default_rng(seed)
     arr = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(MX_DTYPES[dtype])
     q, k, v = arr(T, Hq, D), arr(T, Hkv, D), arr(T, Hkv, D)
-    kp, vp = arr(S, Hkv, D), arr(S, Hkv, D)
+    pool_shape = (S, Hkv, D) if batch is None else (batch, Hkv, S, D)
+    kp, vp = arr(*pool_shape), arr(*pool_shape)
     pos = mx.array(rng.integers(0, max_pos, size=T).astype(np.int32))
     return q, k, v, pos, mx.array(np.asarray(slots, dtype=np.int32)), kp, vp
 

@@ -3,9 +3,11 @@
 Contract (docs/kernel-abi.md):
     rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, rope)
         -> (q_rot, k_rot, k_pool, v_pool)
-q [T, Hq, D], k and v [T, Hkv, D], positions and slots int32 [T], pools [S, Hkv, D], all float arrays
-of one dtype (f16/bf16/f32). The first `rope.rotary_dims` features rotate, the rest pass through (in
-the outputs and the pool). slots[t] < 0 rotates only; slots[t] >= S is an error.
+q [T, Hq, D], k and v [T, Hkv, D], positions and slots int32 [T], all float arrays of one dtype
+(f16/bf16/f32). The pools (both of one shape) are slot-major [S, Hkv, D] (slot s is row s) or
+head-major [B, Hkv, S, D] (mlx-lm's KVCache layout; slot = b * S + s), told apart by their rank.
+The first `rope.rotary_dims` features rotate, the rest pass through (in the outputs and the pool).
+slots[t] < 0 rotates only; slots[t] >= the pool's slot count (S, or B * S) is an error.
 The pools come back updated; the native path updates them in place (the returned arrays share the
 buffers passed in), so always rebind: `q, k, k_pool, v_pool = kernel(...)`.
 
@@ -38,18 +40,34 @@ def _shape(a: Any) -> str:
     return "x".join(str(s) for s in a.shape) if hasattr(a, "shape") else type(a).__name__
 
 
+SLOT_MAJOR, HEAD_MAJOR = 0, 1   # the kernel's pool_layout scalar
+_LAYOUTS = {3: ("slot-major", "[pool_size, n_kv_heads={Hkv}, head_dim={D}]"),
+            4: ("head-major", "[batch, n_kv_heads={Hkv}, rows, head_dim={D}]")}
+
+
+def pool_geometry(pool: mx.array) -> tuple[int, int, int]:
+    """(pool_size = slots in all, pool_rows = rows per (batch, head), pool_layout) of a 3-D
+    slot-major or 4-D head-major pool (validated)."""
+    if pool.ndim == 3:
+        return pool.shape[0], pool.shape[0], SLOT_MAJOR
+    return pool.shape[0] * pool.shape[2], pool.shape[2], HEAD_MAJOR
+
+
 def validate(q, k, v, positions, slots, k_pool, v_pool, rope: RopeConfig) -> None:
     """Raise KernelArgumentError naming the argument, the expectation and the shapes seen."""
     named = dict(q=q, k=k, v=v, positions=positions, slots=slots, k_pool=k_pool, v_pool=v_pool)
     for name, a in named.items():
         if not isinstance(a, mx.array):
             raise KernelArgumentError(f"rope_pool_fused: {name} must be an mx.array, got {type(a).__name__}")
-    for name in ("q", "k", "v", "k_pool", "v_pool"):
+    for name in ("q", "k", "v"):
         if named[name].ndim != 3:
+            raise KernelArgumentError(f"rope_pool_fused: {name} must be 3-D [tokens, heads, head_dim], "
+                                      f"got shape {_shape(named[name])}")
+    for name in ("k_pool", "v_pool"):
+        if named[name].ndim not in _LAYOUTS:
             raise KernelArgumentError(
-                f"rope_pool_fused: {name} must be 3-D "
-                f"{'[pool_size, n_kv_heads, head_dim]' if 'pool' in name else '[tokens, heads, head_dim]'}, "
-                f"got shape {_shape(named[name])}")
+                f"rope_pool_fused: {name} must be a slot-major [pool_size, n_kv_heads, head_dim] (3-D) or "
+                f"head-major [batch, n_kv_heads, rows, head_dim] (4-D) pool, got shape {_shape(named[name])}")
     if q.dtype not in _DTYPES:
         raise KernelArgumentError(f"rope_pool_fused: q dtype {q.dtype} is not float16, bfloat16 or float32")
     for name in ("k", "v", "k_pool", "v_pool"):
@@ -69,9 +87,10 @@ def validate(q, k, v, positions, slots, k_pool, v_pool, rope: RopeConfig) -> Non
         raise KernelArgumentError(f"rope_pool_fused: head_dim={D} must be even")
     for name in ("k_pool", "v_pool"):
         p = named[name]
-        if p.shape[1:] != (Hkv, D):
-            raise KernelArgumentError(f"rope_pool_fused: {name} {_shape(p)}: pool layout must be "
-                                      f"[pool_size, n_kv_heads={Hkv}, head_dim={D}]")
+        if p.shape[1] != Hkv or p.shape[-1] != D:
+            layout, want = _LAYOUTS[p.ndim]
+            raise KernelArgumentError(f"rope_pool_fused: {name} {_shape(p)}: a {layout} pool must be "
+                                      + want.format(Hkv=Hkv, D=D))
     if k_pool.shape != v_pool.shape:
         raise KernelArgumentError(f"rope_pool_fused: k_pool {_shape(k_pool)} and v_pool {_shape(v_pool)} "
                                   f"must have the same shape")
@@ -118,29 +137,35 @@ def _periods(rope: RopeConfig) -> mx.array:
 
 
 def _store(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
-    """pool with pool[slots[t]] = rows[t] where slots[t] is in range, lazily (no host sync).
+    """pool with slot slots[t] = rows[t] [Hkv, D] where slots[t] is in range, lazily (no host sync),
+    for either pool layout: one scatter of head rows into the pool seen as [rows, D].
 
     Rows whose slot must not be written are redirected to repeat a valid token's write (identical
     value, so duplicate indices cannot conflict); with no valid token at all, slot 0 gets its own value.
     """
-    S = pool.shape[0]
-    if slots.size == 0 or S == 0:
+    size, S, layout = pool_geometry(pool)
+    Hkv, D = pool.shape[1], pool.shape[-1]
+    if slots.size == 0 or size == 0 or Hkv == 0:
         return mx.array(pool)
-    valid = (slots >= 0) & (slots < S)
+    valid = (slots >= 0) & (slots < size)
     j = mx.argmax(valid)
     any_valid = valid[j]
-    fallback_slot = mx.where(any_valid, slots[j], 0)
-    fallback_row = mx.where(any_valid, rows[j], pool[0])
-    idx = mx.where(valid, slots, fallback_slot)
-    vals = mx.where(valid[:, None, None], rows, fallback_row[None])
-    out = mx.array(pool)  # a new array object: the caller's pool object is left as it was
-    out[idx] = vals
-    return out
+    idx = mx.where(valid, slots, mx.where(any_valid, slots[j], 0)).astype(mx.int64)  # 64-bit row indices
+    h = mx.arange(Hkv, dtype=mx.int64)[None]
+    if layout == SLOT_MAJOR:
+        flat_rows = idx[:, None] * Hkv + h
+    else:
+        flat_rows = ((idx // S)[:, None] * Hkv + h) * S + (idx % S)[:, None]
+    out = pool.reshape(-1, D)  # a new array object: the caller's pool object is left as it was
+    fallback = mx.where(any_valid, rows[j].astype(pool.dtype)[None], out[flat_rows])  # no valid token: identity
+    vals = mx.where(valid[:, None, None], rows.astype(pool.dtype), fallback)
+    out[flat_rows.reshape(-1)] = vals.reshape(-1, D)
+    return out.reshape(pool.shape)
 
 
 def rope_pool_fused_reference(q, k, v, positions, slots, k_pool, v_pool, *, rope):
     """Pure-MLX rope_pool_fused: mx.fast.rope with per-token offsets + two scatters. Runs on every
-    MLX device; rows with slot < 0 or >= pool size are not written."""
+    MLX device, either pool layout; rows with slot < 0 or >= pool size are not written."""
     rope = normalize_rope(rope)
     validate(q, k, v, positions, slots, k_pool, v_pool, rope)
     q_rot = _rotate(q, positions, rope)
@@ -238,9 +263,11 @@ class RopePoolFusedKernel:
         geometry = _GEOMETRY.get(self.backend)
         grid, group = (geometry(T, Hq, Hkv, D, self.rope.rotary_dims, hpt, q.dtype.size) if geometry
                        else ((1, 1, 1), (1, 1, 1)))
-        scalars = dict(n_tokens=T, pool_size=k_pool.shape[0], n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D,
-                       rotary_dims=self.rope.rotary_dims, traditional=int(self.rope.traditional),
-                       heads_per_thread=hpt, pos_scale=self.rope.pos_scale, mscale=self.rope.mscale)
+        pool_size, pool_rows, pool_layout = pool_geometry(k_pool)
+        scalars = dict(n_tokens=T, pool_size=pool_size, pool_rows=pool_rows, n_q_heads=Hq, n_kv_heads=Hkv,
+                       head_dim=D, rotary_dims=self.rope.rotary_dims, traditional=int(self.rope.traditional),
+                       heads_per_thread=hpt, pos_scale=self.rope.pos_scale, mscale=self.rope.mscale,
+                       pool_layout=pool_layout)
         return self._launcher.plan(_DTYPES[q.dtype], scalars, grid=grid, threadgroup=group)
 
     def __call__(self, q, k, v, positions, slots, k_pool, v_pool, *, check_slots: bool = True):
@@ -259,7 +286,7 @@ class RopePoolFusedKernel:
                 self._plans.clear()
             self._plans[key] = plan
         if check_slots:
-            validate_slots(slots, k_pool.shape[0])
+            validate_slots(slots, pool_geometry(k_pool)[0])
         if plan is _REFERENCE:
             return rope_pool_fused_reference(q, k, v, positions, slots, k_pool, v_pool, rope=self.rope)
         q_rot, k_rot, k_pool, v_pool = self._launch(
