@@ -196,9 +196,9 @@ class _Fused:
             return None, keys
         try:
             q_call, k_call = cap.split(keys, values)
-            off = _offset_arg(q_call)
-            if off is not _offset_arg(k_call) or any(_extra_args(c) for c in (q_call, k_call)):
-                raise DataflowError("the q and k rope calls differ in their offset or pass other arguments")
+            cur = self.__dict__.get("_fused_off", 0)
+            if not all(_same(_offset_arg(c), cur) for c in (q_call, k_call)) or any(map(_extra_args, (q_call, k_call))):
+                raise DataflowError("the q and k rope calls pass another offset than the cache's, or other arguments")
             if len({q_call.x.dtype, k_call.x.dtype, values.dtype}) > 1:
                 raise DataflowError("q, k and v dtypes differ")
         except DataflowError as e:
@@ -248,6 +248,11 @@ class _Fused:
 
 def _offset_arg(call):
     return call.kwargs["offset"] if "offset" in call.kwargs else (call.args[0] if call.args else None)
+
+
+def _same(off, cur) -> bool:
+    """The rope's offset is the cache's current one (ints by value: each read is a fresh object)."""
+    return off is cur or (isinstance(off, int) and isinstance(cur, int) and int(off) == cur)
 
 
 def _extra_args(call) -> bool:
