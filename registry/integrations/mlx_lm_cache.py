@@ -510,6 +510,7 @@ def _bind_entry(entry, fm: FusedModel, i: int):
     """The cache entry for layer i: its KV cache fused where possible, else annotated with the reason."""
     path = kv_cache_path(entry)
     if path is None:
+        entry.kernel, entry.reason = None, f"no KV attention ({type(entry).__name__}: mlx-lm's own cache)"
         return entry
     c = cache_at(entry, path)
     fusion = fm.fusions.get(i)
@@ -517,10 +518,13 @@ def _bind_entry(entry, fm: FusedModel, i: int):
     if fusion is not None and type(c).__name__ not in _FUSED:
         why, fusion = f"{type(c).__name__} is not one of the fused cache classes ({', '.join(_FUSED)})", None
     if fusion is None:
-        if not isinstance(c, _Fused):
-            c.kernel, c.reason = None, why or "layer not fused"
+        for obj in (c, entry):
+            if not isinstance(obj, _Fused):
+                obj.kernel, obj.reason = None, why or "layer not fused"
         return entry
     new = _set_fusion(c, fusion) if isinstance(c, _Fused) else _adopt(c, fusion)
+    if path:                                  # falcon_h1's CacheList: say it at the top too
+        entry.kernel, entry.reason = new.kernel, new.reason
     return _replace(entry, path, new)
 
 
