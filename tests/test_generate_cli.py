@@ -1,0 +1,98 @@
+"""`python -m registry.integrations.generate`: architecture names, local model directories (never a
+download), the report lines, --check, and clear errors for bad paths and configs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import mlx.core as mx
+import pytest
+
+from registry.integrations import generate as cli
+from registry.integrations.coverage import ARCHS
+from registry.integrations.mlx_lm import build_model, import_mlx_lm_module
+
+
+def test_architecture_name_runs_fused_and_reports(native_artifacts, capsys):
+    assert cli.main(["--model", "gemma3", "--prompt", "hello world", "--max-tokens", "6", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "random weights" in out and "layers 0-1: fused: rope_pool_fused (native-" in out
+    assert re.search(r"Prompt: 11 tokens, [\d.]+ tokens-per-sec", out)
+    assert re.search(r"Generation: 6 tokens, [\d.]+ tokens-per-sec", out)
+    assert "Peak memory:" in out and "check: identical to mlx-lm's own caches" in out
+
+
+def test_stock_mode_and_unfusable_layers(capsys):
+    assert cli.main(["--model", "llama (dynamic)", "--max-tokens", "2"]) == 0
+    assert re.search(r"layers 0-1: mlx-lm's own cache: .*DynamicNTKScalingRoPE", capsys.readouterr().out)
+    assert cli.main(["--model", "llama", "--max-tokens", "2", "--stock"]) == 0
+    assert "caches: mlx-lm's own (--stock)" in capsys.readouterr().out
+
+
+def _save(tmp_path, arch="llama"):
+    mx.random.seed(1)
+    model = build_model(ARCHS[arch])
+    model.save_weights(str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(ARCHS[arch]))
+    return model
+
+
+def test_local_directory_loads_the_saved_weights(native_artifacts, tmp_path, capsys):
+    saved = _save(tmp_path)
+    model, tok = cli.load_local(tmp_path)
+    assert tok is None
+    prompt = [3, 1, 4, 1, 5]
+    stock = import_mlx_lm_module("cache")
+    assert cli.run(model, prompt, 5, stock.make_prompt_cache(model))["tokens"] == \
+        cli.run(saved, prompt, 5, stock.make_prompt_cache(saved))["tokens"]
+    assert cli.main(["--model", str(tmp_path), "--prompt", "abc", "--max-tokens", "4", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {tmp_path} (no tokenizer)" in out and "fused: rope_pool_fused" in out
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("missing", "no such directory, and not an architecture name"),
+    ("file", "not a directory"),
+    ("no_config", "no config.json"),
+    ("bad_json", "config.json: not readable JSON"),
+    ("not_object", "config.json: expected a JSON object"),
+    ("no_type", "config.json: field 'model_type' missing"),
+    ("bad_type", "config.json: field 'model_type': 'nope' is not an mlx-lm 0.32.2 architecture"),
+    ("no_weights", "no model*.safetensors weight files"),
+    ("bad_weights", "mlx-lm cannot load this model"),
+])
+def test_bad_model_argument_is_a_clear_error(tmp_path, capsys, case, expect):
+    d = tmp_path / "m"
+    d.mkdir()
+    cfg = d / "config.json"
+    target = d
+    if case == "missing":
+        target = tmp_path / "nope"
+    elif case == "file":
+        target = cfg
+        cfg.write_text("{}")
+    elif case == "bad_json":
+        cfg.write_text("{oops")
+    elif case == "not_object":
+        cfg.write_text("[1]")
+    elif case == "no_type":
+        cfg.write_text("{}")
+    elif case == "bad_type":
+        cfg.write_text('{"model_type": "nope"}')
+    elif case == "no_weights":
+        cfg.write_text(json.dumps(ARCHS["llama"]))
+    elif case == "bad_weights":
+        cfg.write_text(json.dumps(ARCHS["llama"]))
+        mx.save_safetensors(str(d / "model.safetensors"), {"x": mx.zeros((2,))})
+    assert cli.main(["--model", str(target), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err, err
+    assert str(target) in err or case == "missing" and "nope" in err
+
+
+@pytest.mark.parametrize("argv", [["--max-tokens", "0"], ["--max-kv-size", "0"], ["--prompt", ""]])
+def test_bad_numbers_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--model", "llama", *argv])
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
