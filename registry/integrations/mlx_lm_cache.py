@@ -444,6 +444,7 @@ class FusedModel:
     kernels: ModelKernels
     fusions: dict[int, Fusion]
     reasons: dict[int, str]
+    signature: tuple = ()      # the attention modules' children: model.shard() replaces them
 
     def explain(self) -> str:
         from .mlx_lm import ranges
@@ -479,12 +480,18 @@ def _layer_reason(kernels: ModelKernels, i: int, attn) -> str:
     return ""
 
 
+def _signature(attn_layers: dict) -> tuple:
+    """Identity of every attention's child modules: a sharded (or otherwise rebuilt) model gets
+    its kernel sets traced again, with the per-rank head counts."""
+    return tuple((i, tuple(id(m) for m in attn.children().values())) for i, attn in attn_layers.items())
+
+
 def fused_model(model, *, kernels: ModelKernels | None = None) -> FusedModel:
     """The model's FusedModel, built (tracing the model, installing the SwitchRopes) on first use."""
-    state = getattr(model, _STATE_ATTR, None)
-    if state is not None and kernels is None:
-        return state
     attn_layers = find_attention_layers(model)[0]
+    state = getattr(model, _STATE_ATTR, None)
+    if state is not None and kernels is None and state.signature == _signature(attn_layers):
+        return state
     kernels = kernels if kernels is not None else build_kernel_sets(model)
     if not kernels.traced:
         raise ValueError("make_prompt_cache: the kernel sets must be traced (build_kernel_sets(model, trace=True)): "
@@ -501,7 +508,7 @@ def fused_model(model, *, kernels: ModelKernels | None = None) -> FusedModel:
             switch = SwitchRope(switch)
             setattr(attn, attr, switch)
         fusions[i] = Fusion(i, kernels.by_layer[i].rope, switch)
-    state = FusedModel(kernels, fusions, reasons)
+    state = FusedModel(kernels, fusions, reasons, _signature(attn_layers))   # after the switches went in
     object.__setattr__(model, _STATE_ATTR, state)     # a plain attribute: not part of the module tree
     return state
 
