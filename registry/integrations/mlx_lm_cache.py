@@ -67,17 +67,20 @@ class SwitchRope:
         self._expected: list = []
 
     def expect(self, offset) -> None:
-        self._expected.append(offset)
-        if len(self._expected) > 8:
-            del self._expected[0]
+        exp = self._expected
+        exp.append(offset)
+        if len(exp) > 8:
+            del exp[0]
 
     def forget(self) -> None:
         self._expected = []
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
-        off = kwargs["offset"] if "offset" in kwargs else (args[0] if args else None)
-        if off is not None and any(off is e for e in self._expected):
-            return self.capture(x, *args, **kwargs)
+        off = kwargs.get("offset") if kwargs else (args[0] if args else None)
+        if off is not None:
+            for e in self._expected:
+                if off is e:
+                    return self.capture(x, *args, **kwargs)
         if isinstance(off, _Offset):
             if "offset" in kwargs:
                 kwargs["offset"] = int(off)
@@ -120,6 +123,9 @@ def _int_index(start: int, L: int, B: int, S: int, pos: int) -> tuple[mx.array, 
     if hit is None:
         if len(_INDEX_MEMO) > 64:
             _INDEX_MEMO.clear()
+        if B == 1 and L == 1:
+            hit = _INDEX_MEMO[key] = (mx.array([pos], dtype=mx.int32), mx.array([start], dtype=mx.int32))
+            return hit
         ls = np.tile(np.arange(L, dtype=np.int64), B)
         bs = np.repeat(np.arange(B, dtype=np.int64), L)
         hit = (mx.array((pos + ls).astype(np.int32)), mx.array((bs * S + start + ls).astype(np.int32)))
@@ -129,10 +135,14 @@ def _int_index(start: int, L: int, B: int, S: int, pos: int) -> tuple[mx.array, 
 
 def _tokens(x: mx.array) -> mx.array:          # [B, H, L, D] -> [B*L, H, D]
     B, H, L, D = x.shape
+    if L == 1:                                   # decode: the same element order, one op
+        return x.reshape(B, H, D)
     return x.transpose(0, 2, 1, 3).reshape(B * L, H, D)
 
 
 def _heads(x: mx.array, B: int, L: int) -> mx.array:   # [B*L, H, D] -> [B, H, L, D]
+    if L == 1:
+        return x.reshape(B, x.shape[1], 1, x.shape[2])
     return x.reshape(B, L, x.shape[1], x.shape[2]).transpose(0, 2, 1, 3)
 
 
@@ -197,9 +207,11 @@ class _Fused:
         try:
             q_call, k_call = cap.split(keys, values)
             cur = self.__dict__.get("_fused_off", 0)
-            if not all(_same(_offset_arg(c), cur) for c in (q_call, k_call)) or any(map(_extra_args, (q_call, k_call))):
-                raise DataflowError("the q and k rope calls pass another offset than the cache's, or other arguments")
-            if len({q_call.x.dtype, k_call.x.dtype, values.dtype}) > 1:
+            for c in (q_call, k_call):
+                if c.args or len(c.kwargs) != 1 or not _same(c.kwargs.get("offset"), cur):
+                    raise DataflowError("the q and k rope calls pass another offset than the cache's, or other "
+                                        "arguments than offset=")
+            if not q_call.x.dtype == k_call.x.dtype == values.dtype:
                 raise DataflowError("q, k and v dtypes differ")
         except DataflowError as e:
             f.fallback = str(e)
@@ -246,17 +258,9 @@ class _Fused:
             self.values = mx.concatenate([self.values, new_v], axis=2)
 
 
-def _offset_arg(call):
-    return call.kwargs["offset"] if "offset" in call.kwargs else (call.args[0] if call.args else None)
-
-
 def _same(off, cur) -> bool:
     """The rope's offset is the cache's current one (ints by value: each read is a fresh object)."""
     return off is cur or (isinstance(off, int) and isinstance(cur, int) and int(off) == cur)
-
-
-def _extra_args(call) -> bool:
-    return bool(set(call.kwargs) - {"offset"}) or len(call.args) > (0 if "offset" in call.kwargs else 1)
 
 
 def _steps(n: int, step: int) -> int:
@@ -281,8 +285,10 @@ class KVCache(_Fused, _stock.KVCache):
             self._grow(_steps(L, self.step), keys, values)
         B, S = keys.shape[0], self.keys.shape[2]
         self._write(calls, values, *_int_index(prev, L, B, S, prev))
-        self.offset = prev + L
-        return self.keys_and_values()
+        n = self.__dict__["_fused_off"] = prev + L
+        if n < S:
+            return self.keys[..., :n, :], self.values[..., :n, :]
+        return self.keys, self.values
 
     @classmethod
     def merge(cls, caches):
