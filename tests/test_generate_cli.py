@@ -96,3 +96,24 @@ def test_bad_numbers_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--model", "llama", *argv])
     assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+# The e2e benchmark's mlx_lm_fused_cache mode: a head_dim-128 GQA llama at a real vocabulary size
+# (2 layers keep it fast), batch 1 (generate_step) and batch 3 (BatchGenerator, BatchKVCache).
+REAL = dict(ARCHS["llama"], hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=128, vocab_size=32000)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_benchmark_fused_matches_stock(native_artifacts, batch):
+    mx.random.seed(0)
+    model = build_model(REAL)
+    prompts = [[(7 * i + 13 * b) % 32000 for i in range(20 + 9 * b)] for b in range(batch)]
+    fused = cli.decode_benchmark(model, prompts, 6, fused=True)
+    stock = cli.decode_benchmark(model, prompts, 6, fused=False)
+    assert fused["tokens"] == stock["tokens"] and all(len(t) == 6 for t in fused["tokens"])
+    assert fused["decode_tokens"] == batch * 5 and fused["decode_tokens_per_s"] > 0
+    from registry.integrations.mlx_lm_cache import fused_model
+    from registry.core import backend_of
+    assert all(f.calls["fused"] > 0 and f.kernel.implementation == f"native-{backend_of(None)}"
+               for f in fused_model(model).fusions.values())

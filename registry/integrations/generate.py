@@ -134,7 +134,52 @@ def run(model, prompt: list[int], max_tokens: int, cache) -> dict:
     n_gen = max(len(tokens) - 1, 0)
     return {"tokens": tokens, "prompt_tps": len(prompt) / max(t_first - t0, 1e-9),
             "generation_tps": n_gen / (t1 - t_first) if t1 > t_first and n_gen else 0.0,
+            "prefill_s": t_first - t0, "decode_s": t1 - t_first, "decode_tokens": n_gen,
             "peak_memory_gb": mx.get_peak_memory() / 1e9}
+
+
+def decode_benchmark(model, prompts: list[list[int]], max_tokens: int, *, fused: bool = True,
+                     max_kv_size: int | None = None) -> dict:
+    """The end-to-end benchmark's `mlx_lm_fused_cache` mode (fused=True) and its stock `mlx_lm`
+    counterpart (fused=False): mlx-lm's own generate_step loop for one prompt, its BatchGenerator
+    (BatchKVCache / BatchRotatingKVCache, merged from per-prompt caches) for several; caches from
+    make_prompt_cache(model) or mlx-lm's own. Returns the tokens per prompt, prefill_s (until every
+    prompt has its first token), decode_s, decode_tokens and decode_tokens_per_s."""
+    from .mlx_lm import import_mlx_lm_module
+    from .mlx_lm_cache import make_prompt_cache
+
+    stock = import_mlx_lm_module("cache")
+
+    def caches():
+        return make_prompt_cache(model, max_kv_size) if fused else stock.make_prompt_cache(model, max_kv_size)
+
+    if not prompts or max_tokens < 1:
+        raise ValueError("decode_benchmark: needs at least one prompt and max_tokens >= 1")
+    if len(prompts) == 1:
+        r = run(model, prompts[0], max_tokens, caches())
+        out = {"tokens": [r["tokens"]], **{k: r[k] for k in ("prefill_s", "decode_s", "decode_tokens")}}
+    else:
+        gen = importlib.import_module("mlx_lm.generate")
+        B = len(prompts)
+        g = gen.BatchGenerator(model, stop_tokens=[], max_tokens=max_tokens, completion_batch_size=B,
+                               prefill_batch_size=B, max_kv_size=max_kv_size)
+        t0 = time.perf_counter()
+        uids = g.insert(prompts, [max_tokens] * B, caches=[caches() for _ in prompts])
+        toks: dict[int, list[int]] = {u: [] for u in uids}
+        t_first = None
+        while responses := g.next_generated():
+            for r in responses:
+                if r.finish_reason != "stop":
+                    toks[r.uid].append(r.token)
+            if t_first is None and all(toks.values()):
+                t_first = time.perf_counter()
+        t1 = time.perf_counter()
+        g.close()
+        t_first = t_first or t1
+        out = {"tokens": [toks[u] for u in uids], "prefill_s": t_first - t0, "decode_s": t1 - t_first,
+               "decode_tokens": sum(len(t) for t in toks.values()) - B}
+    out["decode_tokens_per_s"] = out["decode_tokens"] / out["decode_s"] if out["decode_s"] > 0 else 0.0
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
