@@ -117,3 +117,37 @@ def test_decode_benchmark_fused_matches_stock(native_artifacts, batch):
     from registry.core import backend_of
     assert all(f.calls["fused"] > 0 and f.kernel.implementation == f"native-{backend_of(None)}"
                for f in fused_model(model).fusions.values())
+
+
+def _tokenizer(d):
+    """A 12-word WordLevel tokenizer written offline (tokenizers + transformers' fast tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate("hello world the a of to and in is it".split())}}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                          "eos_token": "</s>", "unk_token": "<unk>"}))
+
+
+def test_local_directory_with_tokenizer_and_mlx_lm_generate(native_artifacts, tmp_path, capsys):
+    """The tokenizer is loaded from the directory; mlx-lm's own generate() and stream_generate()
+    accept the fused caches and give stock mlx-lm's text."""
+    import importlib
+
+    _save(tmp_path, "qwen3")
+    _tokenizer(tmp_path)
+    assert cli.main(["--model", str(tmp_path), "--prompt", "hello world", "--max-tokens", "5", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "(with tokenizer)" in out and "Prompt: 2 tokens" in out
+    model, tok = cli.load_local(tmp_path)
+    from registry.integrations.mlx_lm import make_prompt_cache
+
+    g = importlib.import_module("mlx_lm.generate")
+    stock = import_mlx_lm_module("cache")
+    want = g.generate(model, tok, "hello the world", max_tokens=6, prompt_cache=stock.make_prompt_cache(model))
+    assert g.generate(model, tok, "hello the world", max_tokens=6, prompt_cache=make_prompt_cache(model)) == want
+    streamed = "".join(r.text for r in g.stream_generate(model, tok, "hello the world", max_tokens=6,
+                                                         prompt_cache=make_prompt_cache(model)))
+    assert streamed == want
