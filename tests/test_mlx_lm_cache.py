@@ -268,3 +268,17 @@ def test_bad_arguments():
         make_prompt_cache(model, max_kv_size=0)
     with pytest.raises(ValueError, match="2 layers"):
         mc.bind_prompt_cache(model, [stock.KVCache()])
+
+
+def test_decode_writes_the_buffer_in_place(native_artifacts):
+    """Under generate_step's async_eval pipelining the kernel writes the same KV buffer every
+    decode step (no copy of the cache per step; growth is the only one)."""
+    model = fresh_model("llama")
+    cache = make_prompt_cache(model)
+    ptrs = set()
+    for (tok, _), n in zip(gen.generate_step(mx.array(PROMPT), model, max_tokens=NEW, prompt_cache=cache), range(NEW)):
+        if n >= 1:
+            mx.eval(cache[1].keys, cache[1].values)
+            ptrs.add((np.asarray(cache[1].keys).__array_interface__["data"][0],
+                      np.asarray(cache[1].values).__array_interface__["data"][0]))
+    assert cache[1].keys.shape[2] == 256 and len(ptrs) == 1, ptrs
