@@ -32,13 +32,10 @@ class ModelLoadError(ValueError):
 
 
 def _arch_names() -> dict[str, str]:
-    from .coverage import ARCHS
+    """--model spellings of architectures: the coverage table's names and their first word."""
+    from .engine import _names
 
-    names: dict[str, str] = {}
-    for a in ARCHS:
-        names.setdefault(a.split(" ")[0], a)
-        names[a] = a
-    return names
+    return _names()
 
 
 def check_model_dir(path: Path) -> dict:

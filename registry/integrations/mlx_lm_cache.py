@@ -257,6 +257,27 @@ class _Fused:
             self.keys = mx.concatenate([self.keys, new_k], axis=2)
             self.values = mx.concatenate([self.values, new_v], axis=2)
 
+    def _room(self, prev: int, keys: mx.array, values: mx.array) -> None:
+        """KVCache/BatchKVCache: make rows [prev, prev + L) exist, growing by whole steps of 256
+        (a buffer cut at prev first when prev is not on a step boundary, as mlx-lm does)."""
+        L = keys.shape[2]
+        if self.keys is None or prev + L > self.keys.shape[2]:
+            if self.keys is not None and prev % self.step:
+                self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
+            self._grow(_steps(L, self.step), keys, values)
+
+    def _ring_slot(self, prev: int, keys: mx.array, values: mx.array) -> int:
+        """Rotating caches, one decode token: mlx-lm's in-place step up to the write (grow up to
+        max_size, drop the rows a prefill left beyond it, wrap); returns how many rows were dropped."""
+        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+            self._grow(min(self.step, self.max_size - prev), keys, values)
+            self._idx = prev
+        excess = self.keys.shape[2] - self.max_size
+        if excess > 0:
+            self.keys, self.values = self._trim(excess, self.keys), self._trim(excess, self.values)
+            self._idx = self.max_size
+        return max(excess, 0)
+
 
 def _same(off, cur) -> bool:
     """The rope's offset is the cache's current one (ints by value: each read is a fresh object)."""
@@ -279,10 +300,7 @@ class KVCache(_Fused, _stock.KVCache):
         if calls is None:
             return super().update_and_fetch(keys, values)
         prev, L = self.__dict__["_fused_off"], keys.shape[2]
-        if self.keys is None or prev + L > self.keys.shape[2]:
-            if self.keys is not None and prev % self.step:
-                self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
-            self._grow(_steps(L, self.step), keys, values)
+        self._room(prev, keys, values)
         B, S = keys.shape[0], self.keys.shape[2]
         self._write(calls, values, *_int_index(prev, L, B, S, prev))
         n = self.__dict__["_fused_off"] = prev + L
@@ -310,14 +328,7 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
         if L > 1:
             positions, _ = _int_index(0, L, B, 0, prev)
             return super().update_and_fetch(self._rotate_only(calls, values, positions), values)
-        # mlx-lm's in-place step: grow up to max_size, drop the rows a prefill left beyond it, wrap.
-        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
-            self._grow(min(self.step, self.max_size - prev), keys, values)
-            self._idx = prev
-        excess = self.keys.shape[2] - self.max_size
-        if excess > 0:
-            self.keys, self.values = self._trim(excess, self.keys), self._trim(excess, self.values)
-            self._idx = self.max_size
+        self._ring_slot(prev, keys, values)
         if self._idx == self.max_size:
             self._idx = self.keep
         self._write(calls, values, *_int_index(self._idx, 1, B, self.keys.shape[2], prev))
@@ -352,10 +363,7 @@ class BatchKVCache(_Fused, _stock.BatchKVCache):
         if calls is None:
             return super().update_and_fetch(keys, values)
         prev, L = self._idx, keys.shape[2]
-        if self.keys is None or prev + L > self.keys.shape[2]:
-            if self.keys is not None and prev % self.step:
-                self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
-            self._grow(_steps(L, self.step), keys, values)
+        self._room(prev, keys, values)
         self._write(calls, values, *_batch_index(self.__dict__["_fused_off"], prev, L, self.keys.shape[2]))
         self.offset = self.__dict__["_fused_off"] + L
         self._idx += L
@@ -383,14 +391,8 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
             return super().update_and_fetch(self._rotate_only(calls, values, positions), values)
         if self._lengths is not None:
             raise RuntimeError("finalize() should be called before decoding with BatchRotatingKVCache")
-        prev = self._offset
-        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
-            self._grow(min(self.step, self.max_size - prev), keys, values)
-            self._idx = prev
-        excess = self.keys.shape[2] - self.max_size
-        if excess > 0:
-            self.keys, self.values = self._trim(excess, self.keys), self._trim(excess, self.values)
-            self._idx = self.max_size
+        excess = self._ring_slot(self._offset, keys, values)
+        if excess:
             self.left_padding -= excess
         if self._idx == self.max_size:
             self.rotated = True
