@@ -229,23 +229,54 @@ def test_save_load_round_trip(native_artifacts, tmp_path):
         assert run(model, c, [9])[0] == full[0], type(c[0])
 
 
-def test_capture_fallback_keeps_mlx_lm_results():
-    """A forward that breaks the capture contract (a third rope call) is resolved with the module's
-    own rope and written the stock way."""
+# Attention-like code run as if it were an mlx-lm model module: only model code gets the
+# offset objects the switch captures.
+_ATTENTION_LIKE = """
+def attend(attn, cache, q, k, v, extra_rope_call):
+    qr = attn.rope(q, offset=cache.offset)
+    kr = attn.rope(k, offset=cache.offset)
+    extra = attn.rope(k, offset=cache.offset) if extra_rope_call else None
+    keys, values = cache.update_and_fetch(kr, v)
+    return qr, keys, extra
+"""
+
+
+def _attend(*args):
+    ns = {"__name__": "mlx_lm.models.fake_arch"}
+    exec(_ATTENTION_LIKE, ns)
+    return ns["attend"](*args)
+
+
+@pytest.mark.parametrize("extra_rope_call", [False, True])
+def test_capture_and_its_fallback_give_mlx_lm_results(native_artifacts, extra_rope_call):
+    """Model code's two rope calls are fused; a forward that breaks the contract (a third rope
+    call) is resolved with the module's own rope and written the stock way."""
     model = fresh_model("llama")
     cache = make_prompt_cache(model)
     attn = model.model.layers[0].self_attn
     q, k, v = (mx.random.normal((1, h, 3, 16)) for h in (4, 2, 2))
-    c = cache[0]
-    qr = attn.rope(q, offset=c.offset)
-    kr = attn.rope(k, offset=c.offset)
-    extra = attn.rope(k, offset=c.offset)
-    keys, values = c.update_and_fetch(kr, v)
+    qr, keys, extra = _attend(attn, cache[0], q, k, v, extra_rope_call)
     want_q, want_k = attn.rope.rope(q, offset=0), attn.rope.rope(k, offset=0)
-    np.testing.assert_allclose(np.array(qr), np.array(want_q), atol=1e-6)
-    np.testing.assert_allclose(np.array(keys), np.array(want_k), atol=1e-6)
-    np.testing.assert_allclose(np.array(extra), np.array(want_k), atol=1e-6)
-    assert "3 times" in mc.fused_model(model).fusions[0].fallback and c.offset == 3
+    np.testing.assert_allclose(np.array(qr), np.array(want_q), atol=1e-5)
+    np.testing.assert_allclose(np.array(keys), np.array(want_k), atol=1e-5)
+    f = mc.fused_model(model).fusions[0]
+    if extra_rope_call:
+        np.testing.assert_allclose(np.array(extra), np.array(want_k), atol=1e-6)
+        assert "3 times" in f.fallback and f.calls["stock"] == 1
+    else:
+        assert f.calls["fused"] == 1 and not f.fallback
+    assert cache[0].offset == 3
+
+
+def test_offsets_outside_model_code_are_plain():
+    """mlx-lm's cache module (state, to_quantized, merge), its generate loop and user code read
+    plain ints: a captured offset object cannot leak into another cache."""
+    model = fresh_model("qwen3")                    # head_dim 32: quantizable in groups of 32
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPT]), cache=cache)
+    assert type(cache[0].offset) is int and type(cache[0].state[2]) is int
+    assert type(cache[0].to_quantized(32, 8).offset) is int
+    assert not model.model.layers[0].self_attn.rope._expected
 
 
 def test_switch_rope_passes_other_offsets_through():
@@ -256,7 +287,7 @@ def test_switch_rope_passes_other_offsets_through():
     x = mx.random.normal((1, 4, 2, 16))
     for off in (0, 5, mx.array([3])):
         np.testing.assert_array_equal(np.array(attn.rope(x, offset=off)), np.array(attn.rope.rope(x, offset=off)))
-    assert not attn.rope.capture.calls
+    assert not attn.rope.calls
     # the kernel sets can be rebuilt on a model with switches installed
     from registry.integrations.mlx_lm import build_kernel_sets
     assert build_kernel_sets(model).by_layer[0].rope is not None
@@ -282,3 +313,19 @@ def test_decode_writes_the_buffer_in_place(native_artifacts):
             ptrs.add((np.asarray(cache[1].keys).__array_interface__["data"][0],
                       np.asarray(cache[1].values).__array_interface__["data"][0]))
     assert cache[1].keys.shape[2] == 256 and len(ptrs) == 1, ptrs
+
+
+def test_quantized_kv_after_fused_prefill_and_slot_engine_still_work(native_artifacts):
+    """generate_step(kv_bits=...) turns the fused KVCache into mlx-lm's QuantizedKVCache (its own
+    to_quantized) and continues as stock mlx-lm; the slot engine runs on a model with switches."""
+    from registry.integrations.engine import mlx_lm_greedy
+    from registry.integrations.slot_engine import SlotEngine
+
+    model = fresh_model("qwen3")
+    kw = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=4)
+    want = run(model, stock.make_prompt_cache(model), PROMPT, **kw)
+    cache = make_prompt_cache(model)
+    assert run(model, cache, PROMPT, **kw)[0] == want[0]
+    assert all(type(c) is stock.QuantizedKVCache for c in cache)
+    out = SlotEngine(model).generate(PROMPTS[:2], 4)
+    assert out["tokens"] == [mlx_lm_greedy(model, p, 4) for p in PROMPTS[:2]]

@@ -10,13 +10,16 @@ attention reads a slice of it, as with mlx-lm's own cache.
 How the rope call reaches the cache write when the user calls mlx-lm directly: the attention runs
 `q = self.rope(q, offset=cache.offset)`, `k = self.rope(k, offset=cache.offset)`, then
 `cache.update_and_fetch(k, v)`. make_prompt_cache installs a `SwitchRope` in place of each fused
-layer's rope, permanently. Our caches hand out `offset` as an object of their own (a fresh int
-subclass, or the batch caches' offset array) and tell the layer's SwitchRope to expect it; a rope
-call with that very object (identity) is captured (`_capture.RopeCapture`: a lazy placeholder is
-returned and resolved at the cache write), any other call (mlx-lm's own caches, the slot engine's
-or no cache) runs the original rope unchanged. A forward that breaks the capture contract (not
-exactly q and k, keys not the rope's output, other rope arguments) is resolved with the module's own
-rope and written the stock way, so the result stays mlx-lm's.
+layer's rope, permanently. When model code (an `mlx_lm.models.*` module other than the cache
+module) reads a fused cache's `offset`, it gets an object of its own (a fresh int subclass, or the
+batch caches' offset array) and the layer's switch is told to expect it; a rope call with that very
+object (identity) returns a lazy NaN placeholder and is recorded for that cache
+(`_capture.RopeCapture`), whose update_and_fetch checks the forward's two calls (`split`: q and k,
+keys the rope's output), runs the kernel on their inputs and resolves both placeholders with the
+kernel's q and k (`_capture.resolve` rebinds the array). Every other call (mlx-lm's own caches, the
+slot engine, no cache) runs the original rope. A forward that breaks the contract is resolved with
+the module's own rope and written the stock way. mlx-lm's cache module, its generate loop and user
+code read the plain offset, so the expected object cannot leak into another cache.
 
 What each cache type does in a fused layer:
   - KVCache, BatchKVCache: every update (prefill chunks and decode) is one kernel call writing
@@ -36,6 +39,8 @@ mlx-lm loads; `load_prompt_cache(path, model)` here loads it and re-binds the fu
 from __future__ import annotations
 
 import copy
+import math
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,11 +48,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ._capture import DataflowError, RopeCapture, resolve, resolve_with_module_rope
+from ._capture import DataflowError, RopeCall, RopeCapture, resolve, resolve_with_module_rope
 from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, import_mlx_lm_module,
                      kv_cache_path, rope_attr)
 
 _stock = import_mlx_lm_module("cache")
+_SPLIT = RopeCapture(None)    # split() checks a forward's two calls; resolve_with_module_rope needs .rope
 
 
 class _Offset(int):
@@ -56,37 +62,55 @@ class _Offset(int):
 
 
 class SwitchRope:
-    """Stands in for a fused layer's rope, permanently: captures the calls made with an offset one of
-    our caches handed out (identity), runs the original rope for every other call."""
+    """Stands in for a fused layer's rope, permanently. A call made with an offset object one of our
+    caches handed out to model code (identity) is recorded for that cache and returns a lazy NaN
+    placeholder (`_capture.RopeCapture`'s), which that cache's update_and_fetch resolves; every other
+    call runs the original rope."""
 
     wraps_rope = True          # registry.rope.normalize_rope looks through it
 
     def __init__(self, rope: Any):
         self.rope = rope
-        self.capture = RopeCapture(rope)
-        self._expected: list = []
+        self._expected: list = []           # (offset object, cache that handed it out)
+        self.calls: list = []               # (cache, RopeCall)
 
-    def expect(self, offset) -> None:
+    def expect(self, offset, cache) -> None:
         exp = self._expected
-        exp.append(offset)
+        exp.append((offset, cache))
         if len(exp) > 8:
             del exp[0]
 
-    def forget(self) -> None:
+    def take(self, cache) -> list:
+        """The calls recorded for `cache` since its last write. Any other record (a forward that
+        failed before its write) gets the original rope's output, so no placeholder stays NaN."""
+        mine = []
+        for owner, c in self.calls:
+            if owner is cache:
+                mine.append(c)
+            else:
+                resolve(c, self.rope(c.x, *c.args, **c.kwargs))
+        self.calls = []
         self._expected = []
+        return mine
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
         off = kwargs.get("offset") if kwargs else (args[0] if args else None)
+        owner = None
         if off is not None:
-            for e in self._expected:
+            for e, cache in self._expected:
                 if off is e:
-                    return self.capture(x, *args, **kwargs)
+                    owner = cache
+                    break
         if isinstance(off, _Offset):
             if "offset" in kwargs:
-                kwargs["offset"] = int(off)
+                kwargs = {**kwargs, "offset": int(off)}
             else:
                 args = (int(off),) + args[1:]
-        return self.rope(x, *args, **kwargs)
+        if owner is None:
+            return self.rope(x, *args, **kwargs)
+        ph = mx.full(x.shape, math.nan, dtype=x.dtype)
+        self.calls.append((owner, RopeCall(x, ph, args, kwargs)))
+        return ph
 
     def __getattr__(self, name):           # dims, base, ... of the original rope
         if name == "rope":
@@ -168,10 +192,13 @@ class _Fused:
     def offset(self):
         off = self.__dict__.get("_fused_off", 0)
         f = self._fusion
-        if f is not None:
+        # Only model code (the attention's rope calls) gets an offset object the switch expects:
+        # mlx-lm's cache module (state, size, to_quantized, merge, masks), mlx-lm's generate loop and
+        # user code get the plain value, so it cannot leak into another cache.
+        if f is not None and _is_model_code(sys._getframe(1).f_globals.get("__name__", "")):
             if isinstance(off, int):
                 off = _Offset(off)
-            f.switch.expect(off)
+            f.switch.expect(off, self)
         return off
 
     @offset.setter
@@ -194,13 +221,13 @@ class _Fused:
         return new
 
     def _captured(self, keys: mx.array, values: mx.array):
-        """(q call, k call) when this forward's rope calls were captured for this cache, else None
-        (after resolving any captured call with the module's own rope)."""
+        """(q call, k call) when this forward's two rope calls were recorded for this cache, else
+        None: then the keys already hold the original rope's output and the write is mlx-lm's."""
         f = self._fusion
         if f is None:
             return None, keys
-        cap = f.switch.capture
-        f.switch.forget()
+        cap = _SPLIT
+        cap.rope, cap.calls = f.switch.rope, f.switch.take(self)
         if not cap.calls:
             f.calls["stock"] += 1
             return None, keys
@@ -208,7 +235,7 @@ class _Fused:
             q_call, k_call = cap.split(keys, values)
             cur = self.__dict__.get("_fused_off", 0)
             for c in (q_call, k_call):
-                if c.args or len(c.kwargs) != 1 or not _same(c.kwargs.get("offset"), cur):
+                if c.args or set(c.kwargs) != {"offset"} or not _same(c.kwargs["offset"], cur):
                     raise DataflowError("the q and k rope calls pass another offset than the cache's, or other "
                                         "arguments than offset=")
             if not q_call.x.dtype == k_call.x.dtype == values.dtype:
@@ -217,7 +244,8 @@ class _Fused:
             f.fallback = str(e)
             f.calls["stock"] += 1
             return None, resolve_with_module_rope(cap, keys)
-        cap.reset()
+        finally:
+            cap.rope, cap.calls = None, []
         return (q_call, k_call), keys
 
     def _rotate_only(self, calls, values, positions) -> mx.array:
@@ -279,9 +307,13 @@ class _Fused:
         return max(excess, 0)
 
 
+def _is_model_code(module: str) -> bool:
+    return module.startswith("mlx_lm.models.") and module != "mlx_lm.models.cache"
+
+
 def _same(off, cur) -> bool:
-    """The rope's offset is the cache's current one (ints by value: each read is a fresh object)."""
-    return off is cur or (isinstance(off, int) and isinstance(cur, int) and int(off) == cur)
+    """The rope's offset is the cache's current one: ints by value, the batch caches' arrays by identity."""
+    return off is cur or (isinstance(off, int) and isinstance(cur, int) and off == cur)
 
 
 def _steps(n: int, step: int) -> int:
