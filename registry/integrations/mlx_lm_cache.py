@@ -170,14 +170,15 @@ def _heads(x: mx.array, B: int, L: int) -> mx.array:   # [B*L, H, D] -> [B, H, L
     return x.reshape(B, L, x.shape[1], x.shape[2]).transpose(0, 2, 1, 3)
 
 
-_DUMMY_POOLS: dict[tuple, mx.array] = {}
+_DUMMY_POOLS: dict[tuple, tuple[mx.array, mx.array]] = {}
 
 
-def _dummy_pool(H: int, D: int, dtype) -> mx.array:
-    """A one-row pool for rotate-only calls (every slot -1: nothing is written)."""
+def _dummy_pools(H: int, D: int, dtype) -> tuple[mx.array, mx.array]:
+    """Two one-row pools for rotate-only calls (every slot -1: nothing is written). Two, not one
+    passed twice: the launcher guards a buffer passed as both pools with a copy."""
     key = (H, D, dtype)
     if key not in _DUMMY_POOLS:
-        _DUMMY_POOLS[key] = mx.zeros((1, H, D), dtype=dtype)
+        _DUMMY_POOLS[key] = (mx.zeros((1, H, D), dtype=dtype), mx.zeros((1, H, D), dtype=dtype))
     return _DUMMY_POOLS[key]
 
 
@@ -253,10 +254,11 @@ class _Fused:
         q_call, k_call = calls
         q, k = q_call.x, k_call.x
         B, Hkv, L, D = k.shape
-        pool = _dummy_pool(Hkv, D, k.dtype)
+        kp, vp = _dummy_pools(Hkv, D, k.dtype)
         slots = mx.full((B * L,), -1, dtype=mx.int32)
-        q_rot, k_rot, _, _ = self._fusion.kernel(_tokens(q), _tokens(k), _tokens(values), positions, slots,
-                                                 pool, pool, check_slots=False)
+        q_rot, k_rot, kp, vp = self._fusion.kernel(_tokens(q), _tokens(k), _tokens(values), positions, slots,
+                                                   kp, vp, check_slots=False)
+        _DUMMY_POOLS[(Hkv, D, k.dtype)] = (kp, vp)          # rebind, as with any in-place output
         resolve(q_call, _heads(q_rot, B, L))
         k_rot = _heads(k_rot, B, L)
         resolve(k_call, k_rot)
