@@ -21,14 +21,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from registry.kernels.rope_pool_fused import RopePoolFusedKernel, metal_geometry, pick_heads_per_thread
+from registry.errors import KernelArgumentError
+from registry.kernels.rope_pool_fused import (RopePoolFusedKernel, metal_geometry, pick_heads_per_thread,
+                                              rope_pool_fused_reference)
 from registry.manifest import load_manifest
 from registry.paths import PROJECT_ROOT
 from tests._oracle import by_slot, rope_pool_numpy
 from tests.metal_emu.emulator import (AbiMismatch, Constant, EmulatedMetal, LaunchError,
                                       SanitizerError, UnsupportedMetalFeature, check_abi, compile_kernel,
                                       compile_source, from_bfloat16_bits, to_bfloat16_bits)
-from tests.rope_cases import MX_DTYPES, TOL, make_case, matrix, rope_variant, to_np
+from tests.rope_cases import MIXED, MX_DTYPES, TOL, make_case, matrix, rope_variant, to_np
 
 SPEC = load_manifest().kernel("rope_pool_fused")
 SOURCE = PROJECT_ROOT / "metal_src" / "rope_pool_fused.metal"
@@ -64,13 +66,15 @@ def emulated_kernel(library, rope, *, order="forward", seed=0) -> RopePoolFusedK
     return kernel
 
 
-def check_against_oracle(out, inputs, rope, dtype):
+def check_against_oracle(out, inputs, rope, dtype, pool_dtype=None):
     q, k, v, pos, slots, kp, vp = (to_np(a) for a in inputs)
     want = rope_pool_numpy(q, k, v, pos, slots, kp, vp, rope)
+    tol = max(TOL[dtype], TOL[pool_dtype or dtype])
     for name, got, w in zip(("q_rot", "k_rot", "k_pool", "v_pool"), out, want):
         g = to_np(got)
+        assert got.dtype == (inputs[5] if "pool" in name else inputs[0]).dtype, name
         assert not np.isnan(g).any(), f"{name}: elements the kernel never wrote (NaN sentinel)"
-        np.testing.assert_allclose(g, w, atol=TOL[dtype], rtol=TOL[dtype], err_msg=name)
+        np.testing.assert_allclose(g, w, atol=tol, rtol=tol, err_msg=name)
     # Rows no valid slot points at are untouched, bit for bit (either pool layout).
     S = by_slot(kp).shape[0]
     untouched = sorted(set(range(S)) - {int(s) for s in slots if 0 <= s < S})
@@ -120,6 +124,9 @@ def test_source_matches_kernels_yaml_abi(library):
      r"\[\[buffer\(7\)\]\] positions is a pointer to int, kernels.yaml buffer positions needs a pointer to float"),
     (lambda s: _with_buffer(s, "v", role="inplace"),
      r"\[\[buffer\(2\)\]\] v is const, but v is role inplace"),
+    (lambda s: _with_buffer(s, "v_pool", dtype_group=None),
+     r"rope_pool_fused_f16_bf16: \[\[buffer\(6\)\]\] v_pool is a pointer to bfloat, kernels.yaml buffer v_pool "
+     r"needs a pointer to half"),
     (lambda s: dataclasses.replace(s, signature=dataclasses.replace(s.signature, buffers=s.signature.buffers[:-1])),
      r"scalar n_tokens belongs at \[\[buffer\(9\)\]\]"),
 ])
@@ -175,6 +182,23 @@ def test_head_major_grouped_heads(library):
     slots[::5] = -1
     inputs = make_case(T, Hq, Hkv, D, S, "float16", slots, seed=4, batch=B)
     check_against_oracle(emulated_kernel(library, rope, order="shuffled")(*inputs), inputs, rope, "float16")
+
+
+@pytest.mark.parametrize("act, pool", MIXED)
+@pytest.mark.parametrize("batch", [None, 2], ids=["slot-major", "head-major"])
+def test_mixed_dtype_pools(library, act, pool, batch):
+    """Pools of another float type than q/k/v: each pool row is the k_out / v row converted, bit
+    for bit, and out-of-range slots (unchecked) still write nothing."""
+    rope = rope_variant("partial-freqs-inf", 64)
+    slots = [5, -1, 0, 11, 12, 3, INT32_MAX]
+    inputs = make_case(len(slots), 4, 2, 64, 12 if batch is None else 6, act, slots, seed=7, batch=batch,
+                       pool_dtype=pool)
+    out = emulated_kernel(library, rope, order="shuffled", seed=len(act))(*inputs, check_slots=False)
+    check_against_oracle(out, inputs, rope, act, pool)
+    rows, toks = np.array([5, 0, 11, 3]), np.array([0, 2, 3, 5])
+    as_pool = lambda a: by_slot(np.array(a.astype(MX_DTYPES[pool]).astype(mx.float32)))
+    np.testing.assert_array_equal(as_pool(out[2])[rows], np.array(out[1].astype(MX_DTYPES[pool]).astype(mx.float32))[toks])
+    np.testing.assert_array_equal(as_pool(out[3])[rows], np.array(inputs[2].astype(MX_DTYPES[pool]).astype(mx.float32))[toks])
 
 
 @pytest.mark.parametrize("hpt", [1, 2, 3, 4, 8])
@@ -254,6 +278,29 @@ def test_wrapper_path_with_unchecked_out_of_range_slots(library, batch):
     check_against_oracle(out, inputs, rope, "float16")
 
 
+@pytest.mark.parametrize("batch", [None, 2], ids=["slot-major", "head-major"])
+def test_checked_calls_refuse_duplicate_slots_and_positions_beyond_fp32(library, batch):
+    kernel = emulated_kernel(library, rope_variant("full-base", 64))
+    q, k, v, pos, slots, kp, vp = make_case(4, 4, 2, 64, 4, "float32", [1, 3, -1, 1], batch=batch)
+    with pytest.raises(KernelArgumentError, match=r"slots\[3\]=1 repeats slots\[0\]"):
+        kernel(q, k, v, pos, slots, kp, vp)
+    with pytest.raises(KernelArgumentError, match=r"positions\[2\]=-3 is outside \[0, 2\^24"):
+        kernel(q, k, v, mx.array([0, 1, -3, 2], dtype=mx.int32), mx.array([0, 1, 2, 3], dtype=mx.int32), kp, vp)
+    assert kernel._launcher._ext.launches == 0   # refused before any launch
+
+
+@pytest.mark.parametrize("variant", ["full-base", "partial-traditional"])
+def test_unchecked_extreme_positions_match_the_reference(library, variant):
+    """Negative, > 2^24 and INT32 extreme positions: the Metal kernel's fp32 angles are the
+    reference's (and the CPU kernel's, tests/test_rope_pool_limits.py)."""
+    rope = rope_variant(variant, 64)
+    args = list(make_case(8, 4, 2, 64, 8, "float32", list(range(8))))
+    args[3] = mx.array([-1, -5000, INT32_MAX, INT32_MIN, 2**24, 2**24 + 1, 123456789, 0], dtype=mx.int32)
+    got = emulated_kernel(library, rope)(*args, check_slots=False)
+    for name, g, r in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, rope_pool_fused_reference(*args, rope=rope)):
+        np.testing.assert_allclose(to_np(g), to_np(r), atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 def mutated(cache: Path, old: str, new: str, source: Path = SOURCE) -> Path:
     """`source` with one edit, at a path fixed by its content (line markers carry the path, so a
     stable path lets the runner cache serve later runs)."""
@@ -289,6 +336,28 @@ def test_sanitizer_catches_a_missing_pool_bound(emu_cache):
         run_direct(lib, "float32", rope_variant("full-base", 64), 2, 2, 2, 64, 4, [4, 0])
     assert e.value.kind == "heap-buffer-overflow" and e.value.buffer == 5
     assert "rope_pool_fused.metal:" in str(e.value)   # the report points into the .metal source
+
+
+@pytest.mark.parametrize("mutant", [False, True], ids=["kernel", "mutant"])
+def test_head_major_guard_against_zero_rows(emu_cache, library, mutant):
+    """Scalars that disagree (pool_size 4, pool_rows 0, head-major): the kernel writes nothing;
+    without its zero-rows guard it would divide by zero, which UBSan reports."""
+    lib = library if not mutant else compile_source(
+        mutated(emu_cache, " && (!head_major || pool_rows > 0)", ""), emu_cache, include_dirs=[SOURCE.parent])
+    rope = rope_variant("full-base", 64)
+    inputs = make_case(2, 2, 2, 64, 0, "float32", [0, 1], batch=2)
+    launcher = EmulatedMetal(lib, SPEC).launcher()
+    grid, group = metal_geometry(2, 2, 2, 64, 64, 1, 4)
+    plan = launcher.plan("float32", dict(n_tokens=2, pool_size=4, pool_rows=0, n_q_heads=2, n_kv_heads=2, head_dim=64,
+                                         rotary_dims=64, traditional=0, heads_per_thread=1, pos_scale=1.0,
+                                         mscale=1.0, pool_layout=1), grid=grid, threadgroup=group)
+    q, k, v, pos, sl, kp, vp = inputs
+    run = lambda: launcher.run(plan, [q, k, v, kp, vp, pos, sl, mx.array(rope.inv_freq())])
+    if not mutant:
+        check_against_oracle(run(), inputs, rope, "float32")
+        return
+    with pytest.raises(SanitizerError, match="division by zero"):
+        run()
 
 
 def test_sanitizer_catches_an_out_of_bounds_read(emu_cache):
