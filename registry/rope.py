@@ -111,6 +111,8 @@ def normalize_rope(module: Any) -> RopeConfig:
                               "a RoPE applied inline by the attention code, if any, cannot be fused")
     if isinstance(module, RopeConfig):
         return module
+    while getattr(type(module), "wraps_rope", False):   # mlx_lm_cache.SwitchRope: the rope it stands in for
+        module = module.rope
     name = type(module).__name__
     if name in _REJECTED:
         raise UnsupportedRope(_REJECTED[name])

@@ -18,6 +18,7 @@ os.environ["MLX_AOT_HOOK_MODULES"] = "tests.toy_wrapper"
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA or Metal GPU (skipped elsewhere)")
     config.addinivalue_line("markers", "macos: needs macOS with the Metal toolchain (skipped elsewhere)")
+    config.addinivalue_line("markers", "distributed: starts 2 processes with mlx.launch (ring backend, loopback)")
 
 
 def _has_gpu() -> bool:

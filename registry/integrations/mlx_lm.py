@@ -66,6 +66,14 @@ def build_model(config: dict, dtype=None):
     return model
 
 
+def make_prompt_cache(model, max_kv_size: int | None = None, **kwargs) -> list:
+    """Caches for mlx-lm's own generate_step/generate/stream_generate (`prompt_cache=`) with the fused
+    kernel in every layer where it is selected: registry/integrations/mlx_lm_cache.py."""
+    from .mlx_lm_cache import make_prompt_cache as fused
+
+    return fused(model, max_kv_size, **kwargs)
+
+
 def make_own_cache(model) -> list:
     """mlx-lm's own cache list for `model` (make_prompt_cache: the model's make_cache, else KVCache)."""
     return import_mlx_lm_module("cache").make_prompt_cache(model)

@@ -1,0 +1,614 @@
+"""Drop-in prompt caches for mlx-lm's own `generate_step` / `generate` / `stream_generate` and its
+`BatchGenerator` (docs/engine.md, "The drop-in cache").
+
+`make_prompt_cache(model)` returns mlx-lm's own cache list for the model with the KV cache of every
+layer where the fused kernel is selected replaced by a subclass of the same mlx-lm class (same name,
+same state, same head-major `[B, Hkv, S, D]` buffer grown by 256 steps). In those layers RoPE on q
+and k plus the cache write run as one `rope_pool_fused` call writing the buffer directly, and
+attention reads a slice of it, as with mlx-lm's own cache.
+
+How the rope call reaches the cache write when the user calls mlx-lm directly: the attention runs
+`q = self.rope(q, offset=cache.offset)`, `k = self.rope(k, offset=cache.offset)`, then
+`cache.update_and_fetch(k, v)`. make_prompt_cache installs a `SwitchRope` in place of each fused
+layer's rope, permanently. When model code (an `mlx_lm.models.*` module other than the cache
+module) reads a fused cache's `offset`, it gets an object of its own (a fresh int subclass, or the
+batch caches' offset array) and the layer's switch is told to expect it; a rope call with that very
+object (identity) returns a lazy NaN placeholder and is recorded for that cache
+(`_capture.RopeCapture`), whose update_and_fetch checks the forward's two calls (`split`: q and k,
+keys the rope's output), runs the kernel on their inputs and resolves both placeholders with the
+kernel's q and k (`_capture.resolve` rebinds the array). Every other call (mlx-lm's own caches, the
+slot engine, no cache) runs the original rope. A forward that breaks the contract is resolved with
+the module's own rope and written the stock way. mlx-lm's cache module, its generate loop and user
+code read the plain offset, so the expected object cannot leak into another cache.
+
+What each cache type does in a fused layer:
+  - KVCache, BatchKVCache: every update (prefill chunks and decode) is one kernel call writing
+    rows [idx, idx + L) of each batch row in place; growth (256 steps, as mlx-lm) is the only copy.
+  - RotatingKVCache, BatchRotatingKVCache: decode steps (L = 1) are one kernel call writing the
+    ring slot in place (growth, trim and wrap-around as mlx-lm). Prefill chunks (L > 1) run one
+    kernel call that rotates q and k with the write skipped (slot -1), then mlx-lm's own
+    concatenation: mlx-lm rebuilds the window in temporal order by concatenating there (the buffer
+    is max_size + L - 1 long afterwards), so there is no slot of an existing buffer to write into.
+  - Every other cache class (QuantizedKVCache, ChunkedKVCache, ConcatenateKVCache, ArraysCache)
+    stays mlx-lm's own, with `.kernel = None` and `.reason`.
+
+Saving: the classes carry mlx-lm's names and state, so `save_prompt_cache` writes a file stock
+mlx-lm loads; `load_prompt_cache(path, model)` here loads it and re-binds the fused layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ._capture import DataflowError, RopeCall, RopeCapture, resolve, resolve_with_module_rope
+from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, import_mlx_lm_module,
+                     kv_cache_path, rope_attr)
+
+_stock = import_mlx_lm_module("cache")
+_SPLIT = RopeCapture(None)    # split() checks a forward's two calls; resolve_with_module_rope needs .rope
+
+
+class _Offset(int):
+    """A cache offset with an identity of its own: arithmetic on it gives plain ints."""
+    __slots__ = ()
+
+
+class SwitchRope:
+    """Stands in for a fused layer's rope, permanently. A call made with an offset object one of our
+    caches handed out to model code (identity) is recorded for that cache and returns a lazy NaN
+    placeholder (`_capture.RopeCapture`'s), which that cache's update_and_fetch resolves; every other
+    call runs the original rope."""
+
+    wraps_rope = True          # registry.rope.normalize_rope looks through it
+
+    def __init__(self, rope: Any):
+        self.rope = rope
+        self._expected: list = []           # (offset object, cache that handed it out)
+        self.calls: list = []               # (cache, RopeCall)
+
+    def expect(self, offset, cache) -> None:
+        exp = self._expected
+        exp.append((offset, cache))
+        if len(exp) > 8:
+            del exp[0]
+
+    def take(self, cache) -> list:
+        """The calls recorded for `cache` since its last write. Any other record (a forward that
+        failed before its write) gets the original rope's output, so no placeholder stays NaN."""
+        mine = []
+        for owner, c in self.calls:
+            if owner is cache:
+                mine.append(c)
+            else:
+                resolve(c, self.rope(c.x, *c.args, **c.kwargs))
+        self.calls = []
+        self._expected = []
+        return mine
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        off = kwargs.get("offset") if kwargs else (args[0] if args else None)
+        owner = None
+        if off is not None:
+            for e, cache in self._expected:
+                if off is e:
+                    owner = cache
+                    break
+        if isinstance(off, _Offset):
+            if "offset" in kwargs:
+                kwargs = {**kwargs, "offset": int(off)}
+            else:
+                args = (int(off),) + args[1:]
+        if owner is None:
+            return self.rope(x, *args, **kwargs)
+        ph = mx.full(x.shape, math.nan, dtype=x.dtype)
+        self.calls.append((owner, RopeCall(x, ph, args, kwargs)))
+        return ph
+
+    def __getattr__(self, name):           # dims, base, ... of the original rope
+        if name == "rope":
+            raise AttributeError(name)
+        return getattr(self.rope, name)
+
+
+@dataclass
+class Fusion:
+    """What the caches of one fused layer share."""
+    layer: int
+    kernel: Any                # the kernel set's rope_pool_fused kernel object
+    switch: SwitchRope
+    calls: Counter = field(default_factory=Counter)   # 'fused' | 'rotate_only' | 'stock' (+ last fallback reason)
+    fallback: str = ""
+
+    @property
+    def reason(self) -> str:
+        k = self.kernel
+        return f"rope_pool_fused ({k.implementation}{f': {k.reason}' if k.reason else ''})"
+
+
+# ----------------------------------------------------------------------------- positions and slots
+
+_INDEX_MEMO: dict[tuple, tuple[mx.array, mx.array]] = {}
+
+
+def _int_index(start: int, L: int, B: int, S: int, pos: int) -> tuple[mx.array, mx.array]:
+    """(positions, slots) int32 [B*L] for rows start..start+L-1 of each batch row of a [B, H, S, D]
+    buffer (slot = b*S + row), token positions pos..pos+L-1. Memoised: every layer of a step asks
+    for the same."""
+    key = (start, L, B, S, pos)
+    hit = _INDEX_MEMO.get(key)
+    if hit is None:
+        if len(_INDEX_MEMO) > 64:
+            _INDEX_MEMO.clear()
+        if B == 1 and L == 1:
+            hit = _INDEX_MEMO[key] = (mx.array([pos], dtype=mx.int32), mx.array([start], dtype=mx.int32))
+            return hit
+        ls = np.tile(np.arange(L, dtype=np.int64), B)
+        bs = np.repeat(np.arange(B, dtype=np.int64), L)
+        hit = (mx.array((pos + ls).astype(np.int32)), mx.array((bs * S + start + ls).astype(np.int32)))
+        _INDEX_MEMO[key] = hit
+    return hit
+
+
+def _tokens(x: mx.array) -> mx.array:          # [B, H, L, D] -> [B*L, H, D]
+    B, H, L, D = x.shape
+    if L == 1:                                   # decode: the same element order, one op
+        return x.reshape(B, H, D)
+    return x.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+
+
+def _heads(x: mx.array, B: int, L: int) -> mx.array:   # [B*L, H, D] -> [B, H, L, D]
+    if L == 1:
+        return x.reshape(B, x.shape[1], 1, x.shape[2])
+    return x.reshape(B, L, x.shape[1], x.shape[2]).transpose(0, 2, 1, 3)
+
+
+_DUMMY_POOLS: dict[tuple, tuple[mx.array, mx.array]] = {}
+
+
+def _dummy_pools(H: int, D: int, dtype) -> tuple[mx.array, mx.array]:
+    """Two one-row pools for rotate-only calls (every slot -1: nothing is written). Two, not one
+    passed twice: the launcher guards a buffer passed as both pools with a copy."""
+    key = (H, D, dtype)
+    if key not in _DUMMY_POOLS:
+        _DUMMY_POOLS[key] = (mx.zeros((1, H, D), dtype=dtype), mx.zeros((1, H, D), dtype=dtype))
+    return _DUMMY_POOLS[key]
+
+
+# ----------------------------------------------------------------------------- the caches
+
+class _Fused:
+    """Shared part of the fused caches; mixed in before the mlx-lm class."""
+
+    _fusion: Fusion | None = None
+
+    @property
+    def offset(self):
+        off = self.__dict__.get("_fused_off", 0)
+        f = self._fusion
+        # Only model code (the attention's rope calls) gets an offset object the switch expects:
+        # mlx-lm's cache module (state, size, to_quantized, merge, masks), mlx-lm's generate loop and
+        # user code get the plain value, so it cannot leak into another cache.
+        if f is not None and _is_model_code(sys._getframe(1).f_globals.get("__name__", "")):
+            if isinstance(off, int):
+                off = _Offset(off)
+            f.switch.expect(off, self)
+        return off
+
+    @offset.setter
+    def offset(self, value):
+        self.__dict__["_fused_off"] = int(value) if isinstance(value, int) else value
+
+    @property
+    def kernel(self):
+        return self._fusion.kernel if self._fusion is not None else None
+
+    @property
+    def reason(self) -> str:
+        return self._fusion.reason if self._fusion is not None else "not bound to a model layer"
+
+    def __deepcopy__(self, memo):           # BatchGenerator deep-copies caches: share the binding
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = v if k == "_fusion" else copy.deepcopy(v, memo)
+        return new
+
+    def _captured(self, keys: mx.array, values: mx.array):
+        """(q call, k call) when this forward's two rope calls were recorded for this cache, else
+        None: then the keys already hold the original rope's output and the write is mlx-lm's."""
+        f = self._fusion
+        if f is None:
+            return None, keys
+        cap = _SPLIT
+        cap.rope, cap.calls = f.switch.rope, f.switch.take(self)
+        if not cap.calls:
+            f.calls["stock"] += 1
+            return None, keys
+        try:
+            q_call, k_call = cap.split(keys, values)
+            cur = self.__dict__.get("_fused_off", 0)
+            for c in (q_call, k_call):
+                if c.args or set(c.kwargs) != {"offset"} or not _same(c.kwargs["offset"], cur):
+                    raise DataflowError("the q and k rope calls pass another offset than the cache's, or other "
+                                        "arguments than offset=")
+            if not q_call.x.dtype == k_call.x.dtype == values.dtype:
+                raise DataflowError("q, k and v dtypes differ")
+        except DataflowError as e:
+            f.fallback = str(e)
+            f.calls["stock"] += 1
+            return None, resolve_with_module_rope(cap, keys)
+        finally:
+            cap.rope, cap.calls = None, []
+        return (q_call, k_call), keys
+
+    def _rotate_only(self, calls, values, positions) -> mx.array:
+        """One kernel call rotating q and k with the write skipped; resolves q, returns rotated k."""
+        q_call, k_call = calls
+        q, k = q_call.x, k_call.x
+        B, Hkv, L, D = k.shape
+        kp, vp = _dummy_pools(Hkv, D, k.dtype)
+        slots = mx.full((B * L,), -1, dtype=mx.int32)
+        q_rot, k_rot, kp, vp = self._fusion.kernel(_tokens(q), _tokens(k), _tokens(values), positions, slots,
+                                                   kp, vp, check_slots=False)
+        _DUMMY_POOLS[(Hkv, D, k.dtype)] = (kp, vp)          # rebind, as with any in-place output
+        resolve(q_call, _heads(q_rot, B, L))
+        k_rot = _heads(k_rot, B, L)
+        resolve(k_call, k_rot)
+        self._fusion.calls["rotate_only"] += 1
+        return k_rot
+
+    def _write(self, calls, values, positions, slots) -> None:
+        """One kernel call: rotate q and k, write k and v into self.keys/self.values at `slots`."""
+        q_call, k_call = calls
+        B, _, L, _ = k_call.x.shape
+        q_rot, k_rot, self.keys, self.values = self._fusion.kernel(
+            _tokens(q_call.x), _tokens(k_call.x), _tokens(values), positions, slots, self.keys, self.values,
+            check_slots=False)
+        resolve(q_call, _heads(q_rot, B, L))
+        resolve(k_call, _heads(k_rot, B, L))      # free unless the attention reads its keys again
+        self._fusion.calls["fused"] += 1
+
+    def _grow(self, rows: int, keys: mx.array, values: mx.array, B: int | None = None) -> None:
+        """Append `rows` zero rows to the buffers (allocating them when empty): the only copy."""
+        B = keys.shape[0] if B is None else B
+        new_k = mx.zeros((B, keys.shape[1], rows, keys.shape[3]), keys.dtype)
+        new_v = mx.zeros((B, values.shape[1], rows, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+
+    def _room(self, prev: int, keys: mx.array, values: mx.array) -> None:
+        """KVCache/BatchKVCache: make rows [prev, prev + L) exist, growing by whole steps of 256
+        (a buffer cut at prev first when prev is not on a step boundary, as mlx-lm does)."""
+        L = keys.shape[2]
+        if self.keys is None or prev + L > self.keys.shape[2]:
+            if self.keys is not None and prev % self.step:
+                self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
+            self._grow(_steps(L, self.step), keys, values)
+
+    def _ring_slot(self, prev: int, keys: mx.array, values: mx.array) -> int:
+        """Rotating caches, one decode token: mlx-lm's in-place step up to the write (grow up to
+        max_size, drop the rows a prefill left beyond it, wrap); returns how many rows were dropped."""
+        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+            self._grow(min(self.step, self.max_size - prev), keys, values)
+            self._idx = prev
+        excess = self.keys.shape[2] - self.max_size
+        if excess > 0:
+            self.keys, self.values = self._trim(excess, self.keys), self._trim(excess, self.values)
+            self._idx = self.max_size
+        return max(excess, 0)
+
+
+def _is_model_code(module: str) -> bool:
+    return module.startswith("mlx_lm.models.") and module != "mlx_lm.models.cache"
+
+
+def _same(off, cur) -> bool:
+    """The rope's offset is the cache's current one: ints by value, the batch caches' arrays by identity."""
+    return off is cur or (isinstance(off, int) and isinstance(cur, int) and off == cur)
+
+
+def _steps(n: int, step: int) -> int:
+    return (n + step - 1) // step * step
+
+
+class KVCache(_Fused, _stock.KVCache):
+    """mlx-lm's KVCache; in a fused layer each update is one rope_pool_fused call into the buffer."""
+
+    def __init__(self, fusion: Fusion | None = None):
+        super().__init__()
+        self._fusion = fusion
+
+    def update_and_fetch(self, keys, values):
+        calls, keys = self._captured(keys, values)
+        if calls is None:
+            return super().update_and_fetch(keys, values)
+        prev, L = self.__dict__["_fused_off"], keys.shape[2]
+        self._room(prev, keys, values)
+        B, S = keys.shape[0], self.keys.shape[2]
+        self._write(calls, values, *_int_index(prev, L, B, S, prev))
+        n = self.__dict__["_fused_off"] = prev + L
+        if n < S:
+            return self.keys[..., :n, :], self.values[..., :n, :]
+        return self.keys, self.values
+
+    @classmethod
+    def merge(cls, caches):
+        return _rebind(BatchKVCache.merge(caches), caches)
+
+
+class RotatingKVCache(_Fused, _stock.RotatingKVCache):
+    """mlx-lm's RotatingKVCache; fused decode writes the ring slot in place (see the module docstring)."""
+
+    def __init__(self, max_size, keep=0, fusion: Fusion | None = None):
+        super().__init__(max_size, keep)
+        self._fusion = fusion
+
+    def update_and_fetch(self, keys, values):
+        calls, keys = self._captured(keys, values)
+        if calls is None:
+            return super().update_and_fetch(keys, values)
+        prev, (B, _, L, _) = self.__dict__["_fused_off"], keys.shape
+        if L > 1:
+            positions, _ = _int_index(0, L, B, 0, prev)
+            return super().update_and_fetch(self._rotate_only(calls, values, positions), values)
+        self._ring_slot(prev, keys, values)
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        self._write(calls, values, *_int_index(self._idx, 1, B, self.keys.shape[2], prev))
+        self.offset = prev + 1
+        self._idx += 1
+        return self.keys_and_values()
+
+    @classmethod
+    def merge(cls, caches):
+        return _rebind(BatchRotatingKVCache.merge(caches), caches)
+
+
+def _batch_index(offset: mx.array, start: int, L: int, S: int) -> tuple[mx.array, mx.array]:
+    """(positions, slots) int32 [B*L] for a batch cache: token l of row b at position offset[b] + l,
+    written to row start + l of batch row b (slot b*S + start + l). Lazy: no host sync."""
+    B = offset.shape[0]
+    ls = mx.arange(L, dtype=mx.int32)
+    positions = (offset.astype(mx.int32)[:, None] + ls[None]).reshape(-1)
+    slots = (mx.arange(B, dtype=mx.int32)[:, None] * S + start + ls[None]).reshape(-1)
+    return positions, slots
+
+
+class BatchKVCache(_Fused, _stock.BatchKVCache):
+    """mlx-lm's BatchKVCache (left-padded rows, per-row offsets); fused like KVCache."""
+
+    def __init__(self, left_padding, fusion: Fusion | None = None):
+        super().__init__(left_padding)
+        self._fusion = fusion
+
+    def update_and_fetch(self, keys, values):
+        calls, keys = self._captured(keys, values)
+        if calls is None:
+            return super().update_and_fetch(keys, values)
+        prev, L = self._idx, keys.shape[2]
+        self._room(prev, keys, values)
+        self._write(calls, values, *_batch_index(self.__dict__["_fused_off"], prev, L, self.keys.shape[2]))
+        self.offset = self.__dict__["_fused_off"] + L
+        self._idx += L
+        return self.keys_and_values()
+
+    def extract(self, idx):
+        return _rebind(super().extract(idx), [self])
+
+
+class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
+    """mlx-lm's BatchRotatingKVCache; fused decode writes the ring slot in place, prefill chunks
+    rotate in one call and concatenate as mlx-lm does."""
+
+    def __init__(self, max_size, left_padding, fusion: Fusion | None = None):
+        super().__init__(max_size, left_padding)
+        self._fusion = fusion
+
+    def update_and_fetch(self, keys, values):
+        calls, keys = self._captured(keys, values)
+        if calls is None:
+            return super().update_and_fetch(keys, values)
+        off, L = self.__dict__["_fused_off"], keys.shape[2]
+        if L > 1:
+            positions, _ = _batch_index(off, 0, L, 0)
+            return super().update_and_fetch(self._rotate_only(calls, values, positions), values)
+        if self._lengths is not None:
+            raise RuntimeError("finalize() should be called before decoding with BatchRotatingKVCache")
+        excess = self._ring_slot(self._offset, keys, values)
+        if excess:
+            self.left_padding -= excess
+        if self._idx == self.max_size:
+            self.rotated = True
+            self._idx = 0
+        if self.rotated:
+            self.left_padding -= 1
+        self._write(calls, values, *_batch_index(off, self._idx, 1, self.keys.shape[2]))
+        self._offset += 1
+        self.offset = off + 1
+        self._idx += 1
+        k, v = self.keys_and_values()
+        # As mlx-lm: evaluating the keys evaluates left_padding and offset (on the returned view,
+        # so the stored buffer stays the kernel's output and the next call writes it in place).
+        return mx.depends(k, (self.left_padding, self.__dict__["_fused_off"])), v
+
+    def extract(self, idx):
+        return _rebind(super().extract(idx), [self])
+
+
+_FUSED = {c.__name__: c for c in (KVCache, RotatingKVCache, BatchKVCache, BatchRotatingKVCache)}
+
+
+def _adopt(stock, fusion: Fusion):
+    """The fused counterpart of an mlx-lm cache object of one of the four classes, sharing its arrays."""
+    cls = _FUSED[type(stock).__name__]
+    new = cls.__new__(cls)
+    for k, v in stock.__dict__.items():
+        if k == "offset":
+            new.offset = v
+        elif k != "_fused_off":
+            new.__dict__[k] = v
+    if "offset" not in stock.__dict__ and "_fused_off" in stock.__dict__:
+        new.offset = stock.__dict__["_fused_off"]
+    new._fusion = fusion
+    return new
+
+
+def _rebind(cache, sources):
+    """A cache built by an mlx-lm classmethod/extract from fused caches: fused again, same layer."""
+    fusion = next((s._fusion for s in sources if isinstance(s, _Fused) and s._fusion is not None), None)
+    if fusion is None or type(cache).__name__ not in _FUSED:
+        return cache
+    return _adopt(cache, fusion) if not isinstance(cache, _Fused) else _set_fusion(cache, fusion)
+
+
+def _set_fusion(cache, fusion):
+    cache._fusion = fusion
+    return cache
+
+
+# ----------------------------------------------------------------------------- per-model plan
+
+@dataclass
+class FusedModel:
+    """make_prompt_cache's per-model state (kept on the model): kernel sets and each KV layer's
+    Fusion, or the reason it runs mlx-lm's own path."""
+    kernels: ModelKernels
+    fusions: dict[int, Fusion]
+    reasons: dict[int, str]
+    signature: tuple = ()      # the attention modules' children: model.shard() replaces them
+
+    def explain(self) -> str:
+        from .mlx_lm import ranges
+
+        groups: dict[str, list[int]] = {}
+        for i, f in self.fusions.items():
+            groups.setdefault(f"fused: {f.reason}", []).append(i)
+        for i, r in self.reasons.items():
+            groups.setdefault(f"mlx-lm's own cache: {r}", []).append(i)
+        lines = [f"layers {ranges(sorted(ls))}: {what}" for what, ls in groups.items()]
+        if self.kernels.non_attention_layers:
+            lines.append(f"layers {ranges(self.kernels.non_attention_layers)}: no KV attention (mlx-lm's own cache)")
+        return "\n".join(lines)
+
+
+_STATE_ATTR = "_mlx_aot_fused_model"
+
+
+def _layer_reason(kernels: ModelKernels, i: int, attn) -> str:
+    """Why layer i runs mlx-lm's own path ("" = it can be fused)."""
+    c = kernels.config_of[i]
+    ks = c.kernel_set
+    if c.applies_rope is False:
+        return "the layer applies no RoPE (NoPE)"
+    if rope_attr(attn) is None:
+        return "no rope module: any RoPE is the attention's own code"
+    if ks.context.attention == "mla":
+        return "MLA: the cache holds latent rows, which the kernel cannot produce"
+    if c.dataflow_error:
+        return c.dataflow_error
+    if ks.rope is None:
+        return f"rope_pool_fused not selected: {ks.rejections.get('rope_pool_fused', ks.context.rope_error or '?')}"
+    return ""
+
+
+def _signature(attn_layers: dict) -> tuple:
+    """Identity of every attention's child modules: a sharded (or otherwise rebuilt) model gets
+    its kernel sets traced again, with the per-rank head counts."""
+    return tuple((i, tuple(id(m) for m in attn.children().values())) for i, attn in attn_layers.items())
+
+
+def fused_model(model, *, kernels: ModelKernels | None = None) -> FusedModel:
+    """The model's FusedModel, built (tracing the model, installing the SwitchRopes) on first use."""
+    attn_layers = find_attention_layers(model)[0]
+    state = getattr(model, _STATE_ATTR, None)
+    if state is not None and kernels is None and state.signature == _signature(attn_layers):
+        return state
+    kernels = kernels if kernels is not None else build_kernel_sets(model)
+    if not kernels.traced:
+        raise ValueError("make_prompt_cache: the kernel sets must be traced (build_kernel_sets(model, trace=True)): "
+                         "the trace decides which layers' data flow allows the fused cache write")
+    fusions, reasons = {}, {}
+    for i, attn in attn_layers.items():
+        why = _layer_reason(kernels, i, attn)
+        if why:
+            reasons[i] = why
+            continue
+        attr = rope_attr(attn)
+        switch = getattr(attn, attr)
+        if not isinstance(switch, SwitchRope):
+            switch = SwitchRope(switch)
+            setattr(attn, attr, switch)
+        fusions[i] = Fusion(i, kernels.by_layer[i].rope, switch)
+    state = FusedModel(kernels, fusions, reasons, _signature(attn_layers))   # after the switches went in
+    object.__setattr__(model, _STATE_ATTR, state)     # a plain attribute: not part of the module tree
+    return state
+
+
+def _bind_entry(entry, fm: FusedModel, i: int):
+    """The cache entry for layer i: its KV cache fused where possible, else annotated with the reason."""
+    path = kv_cache_path(entry)
+    if path is None:
+        entry.kernel, entry.reason = None, f"no KV attention ({type(entry).__name__}: mlx-lm's own cache)"
+        return entry
+    c = cache_at(entry, path)
+    fusion = fm.fusions.get(i)
+    why = fm.reasons.get(i, "")
+    if fusion is not None and type(c).__name__ not in _FUSED:
+        why, fusion = f"{type(c).__name__} is not one of the fused cache classes ({', '.join(_FUSED)})", None
+    if fusion is None:
+        for obj in (c, entry):
+            if not isinstance(obj, _Fused):
+                obj.kernel, obj.reason = None, why or "layer not fused"
+        return entry
+    new = _set_fusion(c, fusion) if isinstance(c, _Fused) else _adopt(c, fusion)
+    if path:                                  # falcon_h1's CacheList: say it at the top too
+        entry.kernel, entry.reason = new.kernel, new.reason
+    return _replace(entry, path, new)
+
+
+def _replace(entry, path, new):
+    if not path:
+        return new
+    subs = list(entry.caches)
+    subs[path[0]] = _replace(subs[path[0]], path[1:], new)
+    entry.caches = tuple(subs)
+    return entry
+
+
+def make_prompt_cache(model, max_kv_size: int | None = None, *, kernels: ModelKernels | None = None) -> list:
+    """mlx-lm's make_prompt_cache(model, max_kv_size) with the KV caches of the fused layers replaced
+    by the fused classes of this module; pass it as `prompt_cache=` to mlx-lm's generate_step,
+    generate or stream_generate, or per request to BatchGenerator.insert(caches=...)."""
+    if max_kv_size is not None and (not isinstance(max_kv_size, int) or isinstance(max_kv_size, bool)
+                                    or max_kv_size < 1):
+        raise ValueError(f"make_prompt_cache: max_kv_size must be a positive int or None, got {max_kv_size!r}")
+    fm = fused_model(model, kernels=kernels)
+    own = _stock.make_prompt_cache(model, max_kv_size)
+    return [_bind_entry(e, fm, i) for i, e in enumerate(own)]
+
+
+def bind_prompt_cache(model, cache: list) -> list:
+    """Fuse an mlx-lm cache list of `model` (e.g. from mlx-lm's load_prompt_cache): same arrays."""
+    fm = fused_model(model)
+    if len(cache) != len(fm.kernels.by_layer) + len(fm.kernels.non_attention_layers):
+        raise ValueError(f"bind_prompt_cache: {len(cache)} caches for a model of "
+                         f"{len(fm.kernels.by_layer) + len(fm.kernels.non_attention_layers)} layers")
+    return [_bind_entry(e, fm, i) for i, e in enumerate(cache)]
+
+
+def load_prompt_cache(file_name: str, model, return_metadata: bool = False):
+    """mlx-lm's load_prompt_cache, then bind_prompt_cache(model, ...)."""
+    cache, metadata = _stock.load_prompt_cache(file_name, return_metadata=True)
+    cache = bind_prompt_cache(model, cache)
+    return (cache, metadata) if return_metadata else cache

@@ -1,0 +1,331 @@
+"""The drop-in fused caches (registry/integrations/mlx_lm_cache.py) inside mlx-lm 0.32.2's own
+generate_step and BatchGenerator: equivalence with stock mlx-lm for every architecture of the
+coverage table, which path each layer takes, growth, sliding windows, batching, save/load, the
+capture's fallbacks. Runs on the default device (CPU in CI; the GPU host too)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from registry.core import backend_of
+from registry.integrations import mlx_lm_cache as mc
+from registry.integrations.coverage import ARCHS
+from registry.integrations.mlx_lm import build_model, import_mlx_lm_module, make_prompt_cache
+
+gen = importlib.import_module("mlx_lm.generate")
+stock = import_mlx_lm_module("cache")
+
+PROMPT = [3, 17, 42, 99, 7, 11, 5, 8, 200, 1]     # longer than the tiny sliding windows (8)
+PROMPTS = [[3, 17, 42, 99, 7], [11, 5], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12]]
+NEW = 12
+BF16_REL_TOL = 0.05                                 # docs/engine.md: the bf16 tolerance
+
+
+def fresh_model(arch: str, dtype: str = "float32"):
+    """A new model per test: make_prompt_cache installs its rope switches on the model."""
+    mx.random.seed(0)
+    return build_model(ARCHS[arch], dtype=getattr(mx, dtype))
+
+
+def run(model, cache, prompt, n=NEW, **kw):
+    """mlx-lm's own generate_step: (tokens, log-probs [n, V])."""
+    toks, lps = [], []
+    for (t, lp), _ in zip(gen.generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=cache, **kw),
+                          range(n)):
+        toks.append(int(t))
+        lps.append(np.array(lp.astype(mx.float32)))
+    return toks, np.stack(lps)
+
+
+def batch_run(model, prompts, n=NEW, caches=None, **kw):
+    """mlx-lm's own BatchGenerator: tokens and log-probs per prompt."""
+    g = gen.BatchGenerator(model, stop_tokens=[], max_tokens=n, **kw)
+    uids = g.insert(prompts, [n] * len(prompts), caches=caches)
+    toks, lps = {u: [] for u in uids}, {u: [] for u in uids}
+    while responses := g.next_generated():
+        for r in responses:
+            if r.finish_reason != "stop":
+                toks[r.uid].append(r.token)
+                lps[r.uid].append(np.array(r.logprobs))
+    g.close()
+    return [toks[u] for u in uids], [np.stack(lps[u]) for u in uids]
+
+
+def counts(model) -> dict[int, dict]:
+    return {i: dict(f.calls) for i, f in mc.fused_model(model).fusions.items()}
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_float32_generate_step_matches_stock(native_artifacts, arch):
+    """Tokens identical, log-probs within 1e-4; every fused layer ran the kernel in every forward."""
+    model = fresh_model(arch)
+    want = run(model, stock.make_prompt_cache(model), PROMPT)
+    cache = make_prompt_cache(model)
+    got = run(model, cache, PROMPT)
+    assert got[0] == want[0], arch
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0, err_msg=arch)
+    fm = mc.fused_model(model)
+    totals = {f.calls["fused"] + f.calls["rotate_only"] for f in fm.fusions.values()}
+    assert len(totals) <= 1 and all(t > NEW for t in totals), totals     # the same forwards in every layer
+    for i, c in enumerate(cache):
+        inner = c.caches[-1] if isinstance(c, stock.CacheList) else c
+        if i in fm.fusions:
+            assert isinstance(inner, mc._Fused) and inner.kernel.implementation == f"native-{backend_of(None)}"
+            calls = fm.fusions[i].calls
+            assert calls["stock"] == 0, (arch, i, calls)
+            # rotating caches rotate-only in prefill (L > 1), write in place when decoding
+            assert calls["rotate_only"] == (1 if type(inner).__name__ == "RotatingKVCache" else 0)
+        else:
+            assert not isinstance(inner, mc._Fused) and c.kernel is None and c.reason, (arch, i)
+    # the switches are permanent: mlx-lm's own caches still get mlx-lm's own rope
+    assert run(model, stock.make_prompt_cache(model), PROMPT)[0] == want[0]
+    assert all(v.get("stock", 0) == 0 for v in counts(model).values())
+
+
+FUSED_EXPECTED = {"llama": [0, 1], "gemma3": [0, 1], "cohere2 (sliding, NoPE global)": [0, 2],
+                  "qwen3_next (hybrid)": [3], "llama (dynamic)": [], "gptj (rotated slice)": [],
+                  "deepseek_v3 (MLA)": [], "smollm3 (NoPE layers)": [0, 1, 2]}
+
+
+@pytest.mark.parametrize("arch", list(FUSED_EXPECTED))
+def test_which_layers_are_fused(arch):
+    model = fresh_model(arch)
+    cache = make_prompt_cache(model)
+    fm = mc.fused_model(model)
+    assert sorted(fm.fusions) == FUSED_EXPECTED[arch]
+    for i, why in fm.reasons.items():
+        assert cache[i].kernel is None and cache[i].reason == why and why
+    assert "fused: rope_pool_fused" in fm.explain() or not fm.fusions
+
+
+def test_reasons_name_the_cause():
+    fm = mc.fused_model(fresh_model("llama (dynamic)"))
+    assert all("DynamicNTKScalingRoPE" in r for r in fm.reasons.values())
+    fm = mc.fused_model(fresh_model("smollm3 (NoPE layers)"))
+    assert fm.reasons == {3: "the layer applies no RoPE (NoPE)"}
+
+
+def test_kernel_disabled_keeps_stock_caches(monkeypatch):
+    monkeypatch.setenv("MLX_AOT_ROPE_POOL_FUSED", "0")
+    model = fresh_model("qwen3")
+    cache = make_prompt_cache(model)
+    assert all(type(c) is stock.KVCache and "MLX_AOT_ROPE_POOL_FUSED=0" in c.reason for c in cache)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_bfloat16_within_tolerance(native_artifacts, arch):
+    """bf16: the same tokens fed to both (teacher forcing on the fused run's tokens); logits within
+    docs/engine.md's tolerance. MoE models are skipped on the CPU (MLX's GatherMM is float32 only)."""
+    model = fresh_model(arch, "bfloat16")
+    try:
+        mx.eval(model(mx.array([[1, 2]]), cache=stock.make_prompt_cache(model)))
+    except (RuntimeError, ValueError) as e:
+        pytest.skip(f"mlx-lm's own bf16 forward fails on {mx.default_device()}: {e}")
+    toks, _ = run(model, make_prompt_cache(model), PROMPT)
+    inputs = [PROMPT] + [[t] for t in toks[:-1]]
+
+    def logits(cache):
+        return np.stack([np.array(model(mx.array([x]), cache=cache)[0, -1].astype(mx.float32)) for x in inputs])
+
+    ours, theirs = logits(make_prompt_cache(model)), logits(stock.make_prompt_cache(model))
+    scale = np.abs(theirs).max()
+    assert np.abs(ours - theirs).max() <= BF16_REL_TOL * scale, arch
+
+
+# ----------------------------------------------------------------------------- cache behaviour
+
+def test_growth_by_256_and_chunked_prefill(native_artifacts):
+    """A 300-token prompt prefilled in chunks of 128 (growth at 256, from an unaligned offset): the
+    head-major buffers grow exactly as mlx-lm's and hold the same rows."""
+    model = fresh_model("llama")
+    prompt = (np.arange(300) * 7 % 250).tolist()
+    want = run(model, stock.make_prompt_cache(model), prompt, prefill_step_size=128)
+    cache = make_prompt_cache(model)
+    got = run(model, cache, prompt, prefill_step_size=128)
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
+    ref = stock.make_prompt_cache(model)
+    run(model, ref, prompt, prefill_step_size=128)
+    for ours, theirs in zip(cache, ref):
+        assert ours.keys.shape == theirs.keys.shape and ours.offset == theirs.offset
+        n = ours.offset
+        np.testing.assert_allclose(np.array(ours.keys[..., :n, :]), np.array(theirs.keys[..., :n, :]), atol=1e-5)
+        np.testing.assert_allclose(np.array(ours.values[..., :n, :]), np.array(theirs.values[..., :n, :]), atol=1e-5)
+
+
+def test_max_kv_size_rotating_cache_with_keep(native_artifacts):
+    """max_kv_size: mlx-lm's RotatingKVCache(keep=4) for models without make_cache; wraps in decode."""
+    model = fresh_model("qwen2")                    # no make_cache of its own (llama has one)
+    want = run(model, stock.make_prompt_cache(model, max_kv_size=8), PROMPT, max_kv_size=8)
+    cache = make_prompt_cache(model, max_kv_size=8)
+    assert all(type(c).__name__ == "RotatingKVCache" and c.keep == 4 and c.kernel is not None for c in cache)
+    got = run(model, cache, PROMPT)
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
+    # decode from an empty rotating cache (no prefill chunk): in-place writes from the start
+    want = run(model, stock.make_prompt_cache(model, max_kv_size=8), [5])
+    assert run(model, make_prompt_cache(model, max_kv_size=8), [5])[0] == want[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "cohere2 (sliding, NoPE global)", "qwen3_next (hybrid)"])
+def test_batch_generator(native_artifacts, arch, monkeypatch):
+    """BatchGenerator with per-request fused caches: merged into BatchKVCache/BatchRotatingKVCache
+    (fused, same layer), tokens identical and log-probs within 1e-4 of stock BatchGenerator."""
+    model = fresh_model(arch)
+    want = batch_run(model, PROMPTS)
+    writers = []
+    original = mc._Fused._write
+
+    def spy(self, *a, **kw):
+        writers.append(type(self).__name__)
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(mc._Fused, "_write", spy)
+    got = batch_run(model, PROMPTS, caches=[make_prompt_cache(model) for _ in PROMPTS])
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    assert "BatchKVCache" in writers or "BatchRotatingKVCache" in writers
+    if arch in ("gemma3", "cohere2 (sliding, NoPE global)"):
+        assert "BatchRotatingKVCache" in writers
+    assert all(v.get("stock", 0) == 0 for v in counts(model).values())
+
+
+def test_batch_cache_extract_and_deepcopy_stay_fused():
+    model = fresh_model("gemma3")
+    caches = [make_prompt_cache(model) for _ in range(2)]
+    for c, p in zip(caches, PROMPTS[:2]):
+        model(mx.array([p]), cache=c)
+    merged = [c[0].merge([x[i] for x in caches]) for i, c in enumerate(zip(*caches))]
+    assert [type(c).__name__ for c in merged] == ["BatchRotatingKVCache", "BatchKVCache"]
+    assert all(isinstance(c, mc._Fused) and c.kernel is caches[0][i].kernel for i, c in enumerate(merged))
+    back = [c.extract(1) for c in merged]
+    assert [type(c).__name__ for c in back] == ["RotatingKVCache", "KVCache"] and all(c.kernel for c in back)
+    dup = copy.deepcopy(merged)
+    assert dup[1]._fusion is merged[1]._fusion and dup[1].keys is not merged[1].keys
+
+
+def test_save_load_round_trip(native_artifacts, tmp_path):
+    """save_prompt_cache of fused caches writes mlx-lm's own classes: stock load_prompt_cache reads
+    it, and so does ours (fused again); both continue exactly as the uninterrupted run."""
+    model = fresh_model("gemma3")
+    full = run(model, make_prompt_cache(model), PROMPT + [9, 9])
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT + [9]]), cache=cache))
+    path = str(tmp_path / "cache.safetensors")
+    stock.save_prompt_cache(path, cache, {"who": "test"})
+    plain = stock.load_prompt_cache(path)
+    assert [type(c) for c in plain] == [stock.RotatingKVCache, stock.KVCache]
+    fused, meta = mc.load_prompt_cache(path, model, return_metadata=True)
+    assert meta == {"who": "test"} and all(isinstance(c, mc._Fused) for c in fused)
+    for c in (plain, fused):
+        assert run(model, c, [9])[0] == full[0], type(c[0])
+
+
+# Attention-like code run as if it were an mlx-lm model module: only model code gets the
+# offset objects the switch captures.
+_ATTENTION_LIKE = """
+def attend(attn, cache, q, k, v, extra_rope_call):
+    qr = attn.rope(q, offset=cache.offset)
+    kr = attn.rope(k, offset=cache.offset)
+    extra = attn.rope(k, offset=cache.offset) if extra_rope_call else None
+    keys, values = cache.update_and_fetch(kr, v)
+    return qr, keys, extra
+"""
+
+
+def _attend(*args):
+    ns = {"__name__": "mlx_lm.models.fake_arch"}
+    exec(_ATTENTION_LIKE, ns)
+    return ns["attend"](*args)
+
+
+@pytest.mark.parametrize("extra_rope_call", [False, True])
+def test_capture_and_its_fallback_give_mlx_lm_results(native_artifacts, extra_rope_call):
+    """Model code's two rope calls are fused; a forward that breaks the contract (a third rope
+    call) is resolved with the module's own rope and written the stock way."""
+    model = fresh_model("llama")
+    cache = make_prompt_cache(model)
+    attn = model.model.layers[0].self_attn
+    q, k, v = (mx.random.normal((1, h, 3, 16)) for h in (4, 2, 2))
+    qr, keys, extra = _attend(attn, cache[0], q, k, v, extra_rope_call)
+    want_q, want_k = attn.rope.rope(q, offset=0), attn.rope.rope(k, offset=0)
+    np.testing.assert_allclose(np.array(qr), np.array(want_q), atol=1e-5)
+    np.testing.assert_allclose(np.array(keys), np.array(want_k), atol=1e-5)
+    f = mc.fused_model(model).fusions[0]
+    if extra_rope_call:
+        np.testing.assert_allclose(np.array(extra), np.array(want_k), atol=1e-6)
+        assert "3 times" in f.fallback and f.calls["stock"] == 1
+    else:
+        assert f.calls["fused"] == 1 and not f.fallback
+    assert cache[0].offset == 3
+
+
+def test_offsets_outside_model_code_are_plain():
+    """mlx-lm's cache module (state, to_quantized, merge), its generate loop and user code read
+    plain ints: a captured offset object cannot leak into another cache."""
+    model = fresh_model("qwen3")                    # head_dim 32: quantizable in groups of 32
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPT]), cache=cache)
+    assert type(cache[0].offset) is int and type(cache[0].state[2]) is int
+    assert type(cache[0].to_quantized(32, 8).offset) is int
+    assert not model.model.layers[0].self_attn.rope._expected
+
+
+def test_switch_rope_passes_other_offsets_through():
+    model = fresh_model("llama")
+    make_prompt_cache(model)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.rope, mc.SwitchRope) and attn.rope.dims == attn.rope.rope.dims
+    x = mx.random.normal((1, 4, 2, 16))
+    for off in (0, 5, mx.array([3])):
+        np.testing.assert_array_equal(np.array(attn.rope(x, offset=off)), np.array(attn.rope.rope(x, offset=off)))
+    assert not attn.rope.calls
+    # the kernel sets can be rebuilt on a model with switches installed
+    from registry.integrations.mlx_lm import build_kernel_sets
+    assert build_kernel_sets(model).by_layer[0].rope is not None
+
+
+def test_bad_arguments():
+    model = fresh_model("llama")
+    with pytest.raises(ValueError, match="max_kv_size"):
+        make_prompt_cache(model, max_kv_size=0)
+    with pytest.raises(ValueError, match="2 layers"):
+        mc.bind_prompt_cache(model, [stock.KVCache()])
+
+
+def test_decode_writes_the_buffer_in_place(native_artifacts):
+    """Under generate_step's async_eval pipelining the kernel writes the same KV buffer every
+    decode step (no copy of the cache per step; growth is the only one)."""
+    model = fresh_model("llama")
+    cache = make_prompt_cache(model)
+    ptrs = set()
+    for (tok, _), n in zip(gen.generate_step(mx.array(PROMPT), model, max_tokens=NEW, prompt_cache=cache), range(NEW)):
+        if n >= 1:
+            mx.eval(cache[1].keys, cache[1].values)
+            ptrs.add((np.asarray(cache[1].keys).__array_interface__["data"][0],
+                      np.asarray(cache[1].values).__array_interface__["data"][0]))
+    assert cache[1].keys.shape[2] == 256 and len(ptrs) == 1, ptrs
+
+
+def test_quantized_kv_after_fused_prefill_and_slot_engine_still_work(native_artifacts):
+    """generate_step(kv_bits=...) turns the fused KVCache into mlx-lm's QuantizedKVCache (its own
+    to_quantized) and continues as stock mlx-lm; the slot engine runs on a model with switches."""
+    from registry.integrations.engine import mlx_lm_greedy
+    from registry.integrations.slot_engine import SlotEngine
+
+    model = fresh_model("qwen3")
+    kw = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=4)
+    want = run(model, stock.make_prompt_cache(model), PROMPT, **kw)
+    cache = make_prompt_cache(model)
+    assert run(model, cache, PROMPT, **kw)[0] == want[0]
+    assert all(type(c) is stock.QuantizedKVCache for c in cache)
+    out = SlotEngine(model).generate(PROMPTS[:2], 4)
+    assert out["tokens"] == [mlx_lm_greedy(model, p, 4) for p in PROMPTS[:2]]
