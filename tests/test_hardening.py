@@ -331,7 +331,8 @@ def _launcher(root: Path):
 
 def _run_toy(launcher) -> float:
     x = mx.zeros((4,), dtype=mx.float32)
-    [out] = launcher.launch("float32", {"x": x}, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    # A CPU artifact runs on the CPU stream, also where the default device is a GPU.
+    [out] = launcher.launch("float32", {"x": x}, {}, grid=(1, 1, 1), threadgroup=(1, 1, 1), stream=mx.cpu)
     mx.eval(out)
     return float(np.array(out)[0])
 
