@@ -1,0 +1,88 @@
+"""The Metal sources of kv_pool_store and qk_norm_rope_pool_fused on the CPU through tests/metal_emu/
+(sanitized runner, exact-size buffers, shuffled thread order), driven through their real wrappers on
+an emulated 'metal' backend and compared with the reference path; out-of-range slots under the
+sanitizers, and a mutant per kernel that proves the bounds tests can fail. (rope_pool_fused's own
+emulation tests: tests/test_metal_emulation.py.)"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from registry.kernels.kv_pool_store import KvPoolStoreKernel
+from registry.manifest import load_manifest
+from registry.paths import PROJECT_ROOT
+from tests.metal_emu.emulator import EmulatedMetal, SanitizerError, compile_kernel, compile_source
+from tests.rope_cases import MX_DTYPES, to_np
+from tests.test_kv_pool_store import LAYOUTS, case, check
+
+MANIFEST = load_manifest()
+INT32_MAX, INT32_MIN = 2**31 - 1, -2**31
+
+
+@pytest.fixture(scope="session")
+def emu_cache(request, tmp_path_factory) -> Path:
+    try:
+        return Path(request.config.cache.mkdir("metal_emu"))
+    except AttributeError:  # -p no:cacheprovider
+        return tmp_path_factory.mktemp("metal_emu")
+
+
+def emulated(cls, lib, name, config=None, order="shuffled", seed=0):
+    spec = MANIFEST.kernel(name)
+    kernel = cls(config, backend="metal", launcher=EmulatedMetal(lib, spec, order=order, seed=seed).launcher(),
+                 reason="emulated")
+    assert kernel.implementation == "native-metal"
+    return kernel
+
+
+def mutated(cache: Path, source: Path, old: str, new: str) -> Path:
+    text = source.read_text()
+    assert text.count(old) == 1, f"mutation target {old!r} not found once in {source}"
+    text = text.replace(old, new)
+    out = cache / "mutants" / hashlib.sha256(text.encode()).hexdigest()[:16] / source.name
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- kv_pool_store
+
+KV_SOURCE = PROJECT_ROOT / "metal_src" / "kv_pool_store.metal"
+
+
+@pytest.fixture(scope="module")
+def kv_lib(emu_cache):
+    return compile_kernel(MANIFEST.kernel("kv_pool_store"), emu_cache)
+
+
+@pytest.mark.parametrize("dtype", list(MX_DTYPES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kv_pool_store_parity(kv_lib, dtype, layout):
+    args = case(6, 2, 40, LAYOUTS[layout], dtype, dtype, [4, -1, 0, 8, 5, 2], seed=3)
+    check(emulated(KvPoolStoreKernel, kv_lib, "kv_pool_store")(*args), args)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kv_pool_store_out_of_range_slots_never_write(kv_lib, layout):
+    """Slots >= pool size up to INT32_MAX and < 0 down to INT32_MIN, unchecked, every buffer at its
+    exact size under AddressSanitizer: only the valid rows change."""
+    slots = [9, 10, 10**6, INT32_MAX, -1, INT32_MIN, 0, 8]
+    args = case(len(slots), 2, 24, LAYOUTS[layout][:-1] + (24,), "float16", "float16", slots)
+    check(emulated(KvPoolStoreKernel, kv_lib, "kv_pool_store")(*args, check_slots=False), args)
+
+
+def test_kv_pool_store_sanitizer_catches_a_missing_bound(emu_cache):
+    lib = compile_source(mutated(emu_cache, KV_SOURCE, "slot < 0 || slot >= pool_size", "slot < 0"), emu_cache,
+                         include_dirs=[KV_SOURCE.parent])
+    args = case(2, 2, 8, (4, 2, 8), "float32", "float32", [4, 0])
+    with pytest.raises(SanitizerError, match=r"WRITE of 4 bytes at byte -?\d+ of buffer\([23]\) [kv]_pool"):
+        emulated(KvPoolStoreKernel, lib, "kv_pool_store")(*args, check_slots=False)
