@@ -86,3 +86,59 @@ def test_kv_pool_store_sanitizer_catches_a_missing_bound(emu_cache):
     args = case(2, 2, 8, (4, 2, 8), "float32", "float32", [4, 0])
     with pytest.raises(SanitizerError, match=r"WRITE of 4 bytes at byte -?\d+ of buffer\([23]\) [kv]_pool"):
         emulated(KvPoolStoreKernel, lib, "kv_pool_store")(*args, check_slots=False)
+
+
+# ----------------------------------------------------------------------------- qk_norm_rope_pool_fused
+
+QKN_SOURCE = PROJECT_ROOT / "metal_src" / "qk_norm_rope_pool_fused.metal"
+
+
+@pytest.fixture(scope="module")
+def qkn_lib(emu_cache):
+    return compile_kernel(MANIFEST.kernel("qk_norm_rope_pool_fused"), emu_cache)
+
+
+def qkn(lib, rope, norm, **kw):
+    from registry.kernels.qk_norm_rope_pool_fused import QkNormRopePoolFusedKernel
+    return emulated(QkNormRopePoolFusedKernel, lib, "qk_norm_rope_pool_fused", (rope, norm), **kw)
+
+
+@pytest.mark.parametrize("dtype, variant, head_dim, layout", [
+    ("float32", "full-base", 64, "slot-major"),
+    ("float16", "partial-traditional", 96, "head-major"),
+    ("bfloat16", "partial-freqs-inf", 128, "slot-major"),
+    ("float32", "odd-pairs", 128, "head-major"),
+    ("bfloat16", "partial-base-scaled", 64, "head-major"),
+])
+def test_qk_norm_rope_parity(qkn_lib, dtype, variant, head_dim, layout):
+    """Rows (7 tokens x 10 heads = 70) that do not fill the last 8-row threadgroup, shuffled order."""
+    from registry.norm import NormConfig
+    from tests.rope_cases import rope_variant
+    from tests.test_qk_norm_rope_pool_fused import LAYOUTS as QL, check as qcheck, make
+
+    rope, norm = rope_variant(variant, head_dim), NormConfig(1e-6, float(head_dim == 96))
+    args = make(7, 8, 2, head_dim, QL[layout](12, 2, head_dim), dtype, [5, -1, 0, 11, -1, 3, 7], seed=head_dim)
+    qcheck(qkn(qkn_lib, rope, norm, seed=head_dim)(*args), args, rope, norm, dtype)
+
+
+def test_qk_norm_rope_out_of_range_slots_never_write(qkn_lib):
+    from registry.norm import NormConfig
+    from registry.rope import RopeConfig
+    from tests.test_qk_norm_rope_pool_fused import check as qcheck, make
+
+    rope, norm = RopeConfig(32, traditional=True), NormConfig(1e-5, 1.0)
+    slots = [4, 5, 10**6, INT32_MAX, -1, INT32_MIN, 0, 3]
+    args = make(len(slots), 4, 2, 64, (4, 2, 64), "float16", slots)
+    qcheck(qkn(qkn_lib, rope, norm)(*args, check_slots=False), args, rope, norm, "float16")
+
+
+def test_qk_norm_rope_sanitizer_catches_a_missing_bound(emu_cache):
+    from registry.norm import NormConfig
+    from registry.rope import RopeConfig
+    from tests.test_qk_norm_rope_pool_fused import make
+
+    lib = compile_source(mutated(emu_cache, QKN_SOURCE, "slot >= 0 && slot < pool_size", "slot >= 0"), emu_cache,
+                         include_dirs=[QKN_SOURCE.parent])
+    args = make(2, 2, 2, 64, (4, 2, 64), "float32", [4, 0])
+    with pytest.raises(SanitizerError, match=r"WRITE of 4 bytes at byte -?\d+ of buffer\([56]\) [kv]_pool"):
+        qkn(lib, RopeConfig(64), NormConfig(1e-6))(*args, check_slots=False)
