@@ -139,12 +139,17 @@ def describe_attention(*, sample_attn: Any, n_kv_heads: int, head_dim: int, dtyp
 QK_NORM_ATTRS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
 
 
-def qk_norm_modules(attn: Any) -> tuple[Any, Any] | None:
+def qk_norm_attrs(attn: Any) -> tuple[str, str] | None:
+    """The (q norm, k norm) attribute names of `attn`, when it has both."""
     for qn, kn in QK_NORM_ATTRS:
-        q, k = getattr(attn, qn, None), getattr(attn, kn, None)
-        if q is not None and k is not None:
-            return q, k
+        if getattr(attn, qn, None) is not None and getattr(attn, kn, None) is not None:
+            return qn, kn
     return None
+
+
+def qk_norm_modules(attn: Any) -> tuple[Any, Any] | None:
+    attrs = qk_norm_attrs(attn)
+    return None if attrs is None else (getattr(attn, attrs[0]), getattr(attn, attrs[1]))
 
 
 def describe_qk_norm(attn: Any, head_dim: int) -> tuple[NormConfig | None, str]:
