@@ -1,9 +1,11 @@
 // rope_pool_fused, CPU entry points (docs/kernel-abi.md): RoPE on q and k, k and v stored into the
-// slot-indexed pools, in one pass per token. Built by `python -m build_tools compile --target cpu`
+// slot-indexed pools (slot-major [S, Hkv, D] or head-major [B, Hkv, S, D]), in one pass per token.
+// The pools may hold another float type than q/k/v: rows are converted on the store. Built by `python -m build_tools compile --target cpu`
 // into a shared library that the MLX extension (csrc/) dlopens; args[i] points at argument i.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #define AOT_EXPORT extern "C" __attribute__((visibility("default")))
@@ -105,29 +107,51 @@ void rotate_row(const typename C::storage* __restrict in, typename C::storage* _
     std::memcpy(out + rotary_dims, in + rotary_dims, sizeof(*in) * (head_dim - rotary_dims));
 }
 
-template <typename C>
+// Element offset of pool row (slot, h). Slot-major [S, Hkv, D]: slot is the row. Head-major
+// [B, Hkv, S, D] (mlx-lm's KVCache): slot = b * S + s. 64-bit: pools can exceed 2^31 elements.
+inline size_t pool_offset(int slot, int h, int n_kv_heads, int pool_rows, int head_dim, bool head_major) {
+  if (!head_major) return (static_cast<size_t>(slot) * n_kv_heads + h) * head_dim;
+  const int b = slot / pool_rows, s = slot % pool_rows;
+  return ((static_cast<size_t>(b) * n_kv_heads + h) * pool_rows + s) * head_dim;
+}
+
+// One head row into the pool: a copy when the pool has the activations' type, else each element
+// converted (the value k_out/v hold, rounded once more to the pool's type).
+template <typename C, typename P>
+void store_row(typename P::storage* __restrict dst, const typename C::storage* __restrict src, int n) {
+  if constexpr (std::is_same_v<C, P>) {
+    std::memcpy(dst, src, sizeof(*src) * n);
+  } else {
+    for (int i = 0; i < n; ++i) dst[i] = P::store(C::load(src[i]));
+  }
+}
+
+template <typename C, typename P = C>
 void run(void** args) {
   using T = typename C::storage;
+  using TP = typename P::storage;
   const T* q = *static_cast<const T**>(args[0]);
   const T* k = *static_cast<const T**>(args[1]);
   const T* v = *static_cast<const T**>(args[2]);
   T* q_out = *static_cast<T**>(args[3]);
   T* k_out = *static_cast<T**>(args[4]);
-  T* k_pool = *static_cast<T**>(args[5]);
-  T* v_pool = *static_cast<T**>(args[6]);
+  TP* k_pool = *static_cast<TP**>(args[5]);
+  TP* v_pool = *static_cast<TP**>(args[6]);
   const int32_t* positions = *static_cast<const int32_t**>(args[7]);
   const int32_t* slots = *static_cast<const int32_t**>(args[8]);
   const float* inv_freq = *static_cast<const float**>(args[9]);
   const int n_tokens = *static_cast<const int32_t*>(args[10]);
   const int pool_size = *static_cast<const int32_t*>(args[11]);
-  const int n_q_heads = *static_cast<const int32_t*>(args[12]);
-  const int n_kv_heads = *static_cast<const int32_t*>(args[13]);
-  const int head_dim = *static_cast<const int32_t*>(args[14]);
-  const int rotary_dims = *static_cast<const int32_t*>(args[15]);
-  const bool traditional = *static_cast<const int32_t*>(args[16]) != 0;
-  // args[17] (heads_per_thread) shapes GPU launches only.
-  const float pos_scale = *static_cast<const float*>(args[18]);
-  const float mscale = *static_cast<const float*>(args[19]);
+  const int pool_rows = *static_cast<const int32_t*>(args[12]);
+  const int n_q_heads = *static_cast<const int32_t*>(args[13]);
+  const int n_kv_heads = *static_cast<const int32_t*>(args[14]);
+  const int head_dim = *static_cast<const int32_t*>(args[15]);
+  const int rotary_dims = *static_cast<const int32_t*>(args[16]);
+  const bool traditional = *static_cast<const int32_t*>(args[17]) != 0;
+  // args[18] (heads_per_thread) shapes GPU launches only.
+  const float pos_scale = *static_cast<const float*>(args[19]);
+  const float mscale = *static_cast<const float*>(args[20]);
+  const bool head_major = *static_cast<const int32_t*>(args[21]) != 0;
 
   const int half = rotary_dims / 2;
   std::vector<float> cs(half), sn(half);
@@ -145,14 +169,15 @@ void run(void** args) {
       rotate_row<C>(q + off, q_out + off, cs.data(), sn.data(), head_dim, rotary_dims, traditional, mscale);
     }
     const int slot = slots[t];
-    const bool write = slot >= 0 && slot < pool_size;  // slot < 0: rotate only; >= pool_size: never written
+    // slot < 0: rotate only; >= pool_size: never written (nor with no rows to divide by).
+    const bool write = slot >= 0 && slot < pool_size && (!head_major || pool_rows > 0);
     for (int h = 0; h < n_kv_heads; ++h) {
       const size_t off = (static_cast<size_t>(t) * n_kv_heads + h) * row;
       rotate_row<C>(k + off, k_out + off, cs.data(), sn.data(), head_dim, rotary_dims, traditional, mscale);
       if (write) {
-        const size_t dst = (static_cast<size_t>(slot) * n_kv_heads + h) * row;
-        std::memcpy(k_pool + dst, k_out + off, sizeof(T) * row);
-        std::memcpy(v_pool + dst, v + off, sizeof(T) * row);
+        const size_t dst = pool_offset(slot, h, n_kv_heads, pool_rows, head_dim, head_major);
+        store_row<C, P>(k_pool + dst, k_out + off, head_dim);
+        store_row<C, P>(v_pool + dst, v + off, head_dim);
       }
     }
   }
@@ -160,6 +185,13 @@ void run(void** args) {
 
 }  // namespace
 
+// Entries: rope_pool_fused_<act> (pools of the same type) and rope_pool_fused_<act>_<pool>.
 AOT_EXPORT void rope_pool_fused_f16(void** args) { run<F16>(args); }
 AOT_EXPORT void rope_pool_fused_bf16(void** args) { run<BF16>(args); }
 AOT_EXPORT void rope_pool_fused_f32(void** args) { run<F32>(args); }
+AOT_EXPORT void rope_pool_fused_f16_bf16(void** args) { run<F16, BF16>(args); }
+AOT_EXPORT void rope_pool_fused_f16_f32(void** args) { run<F16, F32>(args); }
+AOT_EXPORT void rope_pool_fused_bf16_f16(void** args) { run<BF16, F16>(args); }
+AOT_EXPORT void rope_pool_fused_bf16_f32(void** args) { run<BF16, F32>(args); }
+AOT_EXPORT void rope_pool_fused_f32_f16(void** args) { run<F32, F16>(args); }
+AOT_EXPORT void rope_pool_fused_f32_bf16(void** args) { run<F32, BF16>(args); }

@@ -191,11 +191,15 @@ std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shar
                                 " scalars, got " + std::to_string(args->scalars.size()));
   }
   const auto& input_of = bin->input_of;
+  if (args->buffer_dtypes.size() != bin->roles.size()) {
+    throw std::invalid_argument("[mlx_aot] " + entry + ": expected " + std::to_string(bin->roles.size()) +
+                                " buffer dtypes, got " + std::to_string(args->buffer_dtypes.size()));
+  }
   // The kernel indexes raw memory with the element size of its entry: a wrong dtype would read or
   // write out of bounds, so it is an error, never a conversion.
   for (size_t b = 0; b < bin->roles.size(); ++b) {
     if (input_of[b] < 0) continue;
-    const std::string& want = bin->dtypes[b].empty() ? args->dtype : bin->dtypes[b];
+    const std::string& want = args->buffer_dtypes[b];
     const char* got = dtype_name(inputs[input_of[b]].dtype());
     if (want != got) {
       throw std::invalid_argument("[mlx_aot] " + entry + ": buffer " + std::to_string(b) + " has dtype " + got +

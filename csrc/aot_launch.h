@@ -39,10 +39,11 @@ struct KernelBinary {
 // Per call: entry symbol (per dtype), scalar values (raw 32-bit patterns) and launch geometry.
 struct LaunchArgs {
   std::string entry;
-  std::string dtype;               // the entry's dtype: every buffer without a fixed dtype must have it
+  std::string dtype;               // the entry's key: "<act>" or "<act>/<pool>" (kernels.yaml entries)
   std::vector<uint32_t> scalars;
   std::array<int, 3> grid{1, 1, 1};   // threads per axis
   std::array<int, 3> group{1, 1, 1};  // threads per threadgroup / block
+  std::vector<std::string> buffer_dtypes;  // per buffer: the dtype the entry expects (from its key)
 };
 
 class AotLaunch : public mx::Primitive {

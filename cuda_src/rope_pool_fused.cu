@@ -1,5 +1,7 @@
 // rope_pool_fused, CUDA entry points (docs/kernel-abi.md): one launch rotates q and k, stores the
-// rotated k and the unchanged v into the slot-indexed pools.
+// rotated k and the unchanged v into the slot-indexed pools (slot-major [S, Hkv, D] or head-major
+// [B, Hkv, S, D]; pool_offset, as in the CPU kernel). The pools may hold another float type P than
+// q/k/v (T): the k_out / v values are converted on the store (store_pool).
 //
 // Work decomposition. A row (one head of one token) is split into units of W-element vectors
 // (W = 16 bytes / element size when the row layout allows it, else smaller, down to 1):
@@ -12,6 +14,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 namespace {
 
@@ -33,14 +37,41 @@ template <> struct Cvt<float> {
 template <typename T, int W> struct alignas(sizeof(T) * W) Vec { T v[W]; };
 
 struct Params {
-  int n_tokens, pool_size, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional, hpt;
+  int n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional, hpt;
   float pos_scale, mscale;
+  int pool_layout;
 };
+
+// Element offset of pool row (slot, h). Slot-major [S, Hkv, D]: slot is the row. Head-major
+// [B, Hkv, S, D] (mlx-lm's KVCache): slot = b * S + s. 64-bit: pools can exceed 2^31 elements.
+__device__ __forceinline__ long long pool_offset(int slot, int h, const Params& p) {
+  if (p.pool_layout == 0) return (static_cast<long long>(slot) * p.n_kv_heads + h) * p.head_dim;
+  const int b = slot / p.pool_rows, s = slot % p.pool_rows;
+  return ((static_cast<long long>(b) * p.n_kv_heads + h) * p.pool_rows + s) * p.head_dim;
+}
 
 template <typename T, int W>
 __device__ __forceinline__ Vec<T, W> load_vec(const T* p) { return *reinterpret_cast<const Vec<T, W>*>(p); }
 template <typename T, int W>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, W>& x) { *reinterpret_cast<Vec<T, W>*>(p) = x; }
+
+// A T-vector into the pool as P: the same bits when P is T, else each element converted, in
+// accesses of at most 16 bytes (a P wider than T splits the unit; each part stays aligned).
+template <typename P, typename T, int W>
+__device__ __forceinline__ void store_pool(P* dst, const Vec<T, W>& x) {
+  if constexpr (std::is_same<P, T>::value) {
+    store_vec<T, W>(dst, x);
+  } else {
+    constexpr int C = sizeof(P) * W > 16 ? 16 / static_cast<int>(sizeof(P)) : W;  // elements per access
+#pragma unroll
+    for (int c = 0; c < W; c += C) {
+      Vec<P, C> y;
+#pragma unroll
+      for (int j = 0; j < C; ++j) y.v[j] = Cvt<P>::store(Cvt<T>::load(x.v[c + j]));
+      store_vec<P, C>(dst + c, y);
+    }
+  }
+}
 
 // Rotate the W pairs of one unit. Half-split (and W == 1, where a and b are the two members of one
 // traditional pair): pair j = (a[j], b[j]). Traditional with W >= 2: a holds pairs 0..W/2-1 and b
@@ -69,9 +100,9 @@ __device__ __forceinline__ void rotate_unit(Vec<T, W>& a, Vec<T, W>& b, const fl
   }
 }
 
-template <typename T, int W>
+template <typename T, typename P, int W>
 __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     T* __restrict__ q_out, T* __restrict__ k_out, T* k_pool, T* v_pool,
+                     T* __restrict__ q_out, T* __restrict__ k_out, P* k_pool, P* v_pool,
                      const int32_t* __restrict__ positions, const int32_t* __restrict__ slots,
                      const float* __restrict__ inv_freq, const Params& p) {
   using V = Vec<T, W>;
@@ -94,7 +125,8 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int D = p.head_dim;
 
   const int slot = is_q ? -1 : slots[t];
-  const bool write = !is_q && slot >= 0 && slot < p.pool_size;  // never out of bounds
+  // Never out of bounds (nor a division by zero rows).
+  const bool write = !is_q && slot >= 0 && slot < p.pool_size && (p.pool_layout == 0 || p.pool_rows > 0);
 
   const bool rotary = u < rot_units;
   int off_a, off_b = 0;
@@ -118,21 +150,21 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const long long row = (static_cast<long long>(t) * n_heads + h) * D;
     const T* in = (is_q ? q : k) + row;
     T* out = (is_q ? q_out : k_out) + row;
-    const long long dst = write ? (static_cast<long long>(slot) * p.n_kv_heads + h) * D : 0;
+    const long long dst = write ? pool_offset(slot, h, p) : 0;
     V a = load_vec<T, W>(in + off_a);
     if (rotary) {
       V b = load_vec<T, W>(in + off_b);
       rotate_unit<T, W>(a, b, c, s, trad, p.mscale);
       store_vec<T, W>(out + off_b, b);
       if (write) {
-        store_vec<T, W>(k_pool + dst + off_b, b);
-        store_vec<T, W>(v_pool + dst + off_b, load_vec<T, W>(v + row + off_b));
+        store_pool<P>(k_pool + dst + off_b, b);
+        store_pool<P>(v_pool + dst + off_b, load_vec<T, W>(v + row + off_b));
       }
     }
     store_vec<T, W>(out + off_a, a);
     if (write) {
-      store_vec<T, W>(k_pool + dst + off_a, a);
-      store_vec<T, W>(v_pool + dst + off_a, load_vec<T, W>(v + row + off_a));
+      store_pool<P>(k_pool + dst + off_a, a);
+      store_pool<P>(v_pool + dst + off_a, load_vec<T, W>(v + row + off_a));
     }
   }
 }
@@ -147,32 +179,44 @@ __device__ __forceinline__ int pick_width(const Params& p) {
   return 1;
 }
 
-template <typename T>
-__device__ void dispatch(const T* q, const T* k, const T* v, T* q_out, T* k_out, T* k_pool, T* v_pool,
+// The width follows the activations' type T (16-byte q/k/v accesses); the pool's accesses are
+// W * sizeof(P) bytes, at most 16 (store_pool), aligned likewise: every row starts on a multiple of
+// head_dim, which W divides.
+template <typename T, typename P>
+__device__ void dispatch(const T* q, const T* k, const T* v, T* q_out, T* k_out, P* k_pool, P* v_pool,
                          const int32_t* positions, const int32_t* slots, const float* inv_freq, const Params& p) {
   switch (pick_width<T>(p)) {
     case 8:
-      if constexpr (sizeof(T) == 2) body<T, 8>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p);
+      if constexpr (sizeof(T) == 2)
+        body<T, P, 8>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p);
       break;
-    case 4: body<T, 4>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
-    case 2: body<T, 2>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
-    default: body<T, 1>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
+    case 4: body<T, P, 4>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
+    case 2: body<T, P, 2>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
+    default: body<T, P, 1>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
   }
 }
 
 }  // namespace
 
-#define ROPE_POOL_ENTRY(NAME, T)                                                                        \
+// Entries: rope_pool_fused_<act> (pools of the same type) and rope_pool_fused_<act>_<pool>.
+#define ROPE_POOL_ENTRY(NAME, T, P)                                                                     \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                               \
-      const T* q, const T* k, const T* v, T* q_out, T* k_out, T* k_pool, T* v_pool,                      \
+      const T* q, const T* k, const T* v, T* q_out, T* k_out, P* k_pool, P* v_pool,                      \
       const int32_t* positions, const int32_t* slots, const float* inv_freq, int n_tokens, int pool_size, \
-      int n_q_heads, int n_kv_heads, int head_dim, int rotary_dims, int traditional, int heads_per_thread,\
-      float pos_scale, float mscale) {                                                                   \
-    const Params p{n_tokens, pool_size, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional,       \
-                   heads_per_thread < 1 ? 1 : heads_per_thread, pos_scale, mscale};                      \
-    dispatch<T>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p);                   \
+      int pool_rows, int n_q_heads, int n_kv_heads, int head_dim, int rotary_dims, int traditional,      \
+      int heads_per_thread, float pos_scale, float mscale, int pool_layout) {                            \
+    const Params p{n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims,         \
+                   traditional, heads_per_thread < 1 ? 1 : heads_per_thread, pos_scale, mscale,           \
+                   pool_layout};                                                                         \
+    dispatch<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p);                \
   }
 
-ROPE_POOL_ENTRY(rope_pool_fused_f16, __half)
-ROPE_POOL_ENTRY(rope_pool_fused_bf16, __nv_bfloat16)
-ROPE_POOL_ENTRY(rope_pool_fused_f32, float)
+ROPE_POOL_ENTRY(rope_pool_fused_f16, __half, __half)
+ROPE_POOL_ENTRY(rope_pool_fused_bf16, __nv_bfloat16, __nv_bfloat16)
+ROPE_POOL_ENTRY(rope_pool_fused_f32, float, float)
+ROPE_POOL_ENTRY(rope_pool_fused_f16_bf16, __half, __nv_bfloat16)
+ROPE_POOL_ENTRY(rope_pool_fused_f16_f32, __half, float)
+ROPE_POOL_ENTRY(rope_pool_fused_bf16_f16, __nv_bfloat16, __half)
+ROPE_POOL_ENTRY(rope_pool_fused_bf16_f32, __nv_bfloat16, float)
+ROPE_POOL_ENTRY(rope_pool_fused_f32_f16, float, __half)
+ROPE_POOL_ENTRY(rope_pool_fused_f32_bf16, float, __nv_bfloat16)

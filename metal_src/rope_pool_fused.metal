@@ -1,5 +1,7 @@
 // rope_pool_fused, Metal entry points (docs/kernel-abi.md): one dispatch rotates q and k and stores
-// the rotated k and the unchanged v into the slot-indexed pools.
+// the rotated k and the unchanged v into the slot-indexed pools: slot-major [S, Hkv, D] (POOL_LAYOUT
+// 0) or head-major [B, Hkv, S, D] (1, mlx-lm's KVCache; slot = b * S + s, S = pool_rows). The pools
+// may hold another float type P than q/k/v (T): the k_out / v values are converted on the store.
 //
 // Thread (p, t, g) of grid (head_dim/2, n_tokens, gq + gk) owns feature pair p of token t for the
 // heads of group g: q heads for g < gq, else kv heads (k rotated into k_out and, when the slot is
@@ -24,6 +26,7 @@ constant int TRADITIONAL [[function_constant(4)]];
 constant int HEADS_PER_THREAD [[function_constant(5)]];
 constant float POS_SCALE [[function_constant(6)]];
 constant float MSCALE [[function_constant(7)]];
+constant int POOL_LAYOUT [[function_constant(8)]];
 
 // Features a and b of a row. Adjacent pairs start on an even feature of a row of even length, so
 // the 2-element vector access is aligned (the emulator's UBSan checks it).
@@ -45,20 +48,27 @@ inline void store_pair(device T* row, int a, int b, bool adjacent, vec<T, 2> x) 
   }
 }
 
-template <typename T>
+// A pair as the pool's type: through float, which holds every half and bfloat exactly.
+template <typename P, typename T>
+inline vec<P, 2> to_pool(vec<T, 2> x) {
+  return vec<P, 2>(P(float(x.x)), P(float(x.y)));
+}
+
+template <typename T, typename P>
 [[kernel]] void rope_pool_fused(
     const device T* q [[buffer(0)]],
     const device T* k [[buffer(1)]],
     const device T* v [[buffer(2)]],
     device T* q_out [[buffer(3)]],
     device T* k_out [[buffer(4)]],
-    device T* k_pool [[buffer(5)]],
-    device T* v_pool [[buffer(6)]],
+    device P* k_pool [[buffer(5)]],
+    device P* v_pool [[buffer(6)]],
     const device int* positions [[buffer(7)]],
     const device int* slots [[buffer(8)]],
     const device float* inv_freq [[buffer(9)]],
     constant int& n_tokens [[buffer(10)]],
     constant int& pool_size [[buffer(11)]],
+    constant int& pool_rows [[buffer(12)]],
     uint3 gid [[thread_position_in_grid]]) {
   const int p = int(gid.x);
   const int t = int(gid.y);
@@ -89,10 +99,18 @@ template <typename T>
   }
 
   const int slot = is_q ? -1 : slots[t];
-  const bool store = slot >= 0 && slot < pool_size;  // slot < 0: rotate only; >= pool_size: never written
-  // 64-bit element offsets: a pool of millions of slots can exceed 2^31 elements.
+  // slot < 0: rotate only; >= pool_size: never written (nor with no rows to divide by).
+  const bool head_major = POOL_LAYOUT != 0;
+  const bool store = slot >= 0 && slot < pool_size && (!head_major || pool_rows > 0);
+  // 64-bit element offsets: a pool of millions of slots can exceed 2^31 elements. Head-major pools
+  // put the heads of one slot pool_rows rows apart.
   const long row = (long(t) * n_heads + h0) * HEAD_DIM;
-  const long pool_row = store ? (long(slot) * N_KV_HEADS + h0) * HEAD_DIM : 0;
+  const long head_stride = head_major ? long(pool_rows) * HEAD_DIM : long(HEAD_DIM);
+  long pool_row = 0;
+  if (store) {
+    pool_row = head_major ? ((long(slot / pool_rows) * N_KV_HEADS + h0) * pool_rows + slot % pool_rows) * HEAD_DIM
+                          : (long(slot) * N_KV_HEADS + h0) * HEAD_DIM;
+  }
   const device T* src = (is_q ? q : k) + row;
   device T* dst = (is_q ? q_out : k_out) + row;
   for (int i = 0; i < nh; ++i) {
@@ -105,24 +123,32 @@ template <typename T>
     }
     store_pair(dst + off, a, b, adjacent, x);
     if (store) {
-      store_pair(k_pool + pool_row + off, a, b, adjacent, x);
+      const long pool_off = pool_row + long(i) * head_stride;
+      store_pair(k_pool + pool_off, a, b, adjacent, to_pool<P, T>(x));
       // v is copied, not rotated: features 2p, 2p+1 (one vector) cover the row across the threads.
       const vec<T, 2> vp = load_pair(v + row + off, 2 * p, 2 * p + 1, true);
-      store_pair(v_pool + pool_row + off, 2 * p, 2 * p + 1, true, vp);
+      store_pair(v_pool + pool_off, 2 * p, 2 * p + 1, true, to_pool<P, T>(vp));
     }
   }
 }
 
-#define INSTANTIATE(NAME, T)                                                             \
-  template [[host_name(NAME)]] [[kernel]] void rope_pool_fused<T>(                       \
+// Entries: rope_pool_fused_<act> (pools of the same type) and rope_pool_fused_<act>_<pool>.
+#define INSTANTIATE(NAME, T, P)                                                          \
+  template [[host_name(NAME)]] [[kernel]] void rope_pool_fused<T, P>(                    \
       const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],                  \
       const device T* v [[buffer(2)]], device T* q_out [[buffer(3)]],                    \
-      device T* k_out [[buffer(4)]], device T* k_pool [[buffer(5)]],                     \
-      device T* v_pool [[buffer(6)]], const device int* positions [[buffer(7)]],         \
+      device T* k_out [[buffer(4)]], device P* k_pool [[buffer(5)]],                     \
+      device P* v_pool [[buffer(6)]], const device int* positions [[buffer(7)]],         \
       const device int* slots [[buffer(8)]], const device float* inv_freq [[buffer(9)]], \
       constant int& n_tokens [[buffer(10)]], constant int& pool_size [[buffer(11)]],     \
-      uint3 gid [[thread_position_in_grid]]);
+      constant int& pool_rows [[buffer(12)]], uint3 gid [[thread_position_in_grid]]);
 
-INSTANTIATE("rope_pool_fused_f16", half)
-INSTANTIATE("rope_pool_fused_bf16", bfloat)
-INSTANTIATE("rope_pool_fused_f32", float)
+INSTANTIATE("rope_pool_fused_f16", half, half)
+INSTANTIATE("rope_pool_fused_bf16", bfloat, bfloat)
+INSTANTIATE("rope_pool_fused_f32", float, float)
+INSTANTIATE("rope_pool_fused_f16_bf16", half, bfloat)
+INSTANTIATE("rope_pool_fused_f16_f32", half, float)
+INSTANTIATE("rope_pool_fused_bf16_f16", bfloat, half)
+INSTANTIATE("rope_pool_fused_bf16_f32", bfloat, float)
+INSTANTIATE("rope_pool_fused_f32_f16", float, half)
+INSTANTIATE("rope_pool_fused_f32_bf16", float, bfloat)

@@ -21,6 +21,7 @@ SCHEMA_VERSION = 1
 TARGETS = ("metal", "cuda", "cpu")
 DTYPES = ("float16", "bfloat16", "float32")
 BUFFER_ROLES = ("input", "output", "inplace")
+DTYPE_GROUPS = ("pool",)           # signature.buffers[].dtype_group
 SCALAR_TYPES = ("int32", "float32")
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -47,6 +48,7 @@ class BufferSpec:
     role: str                      # input | output | inplace
     like: str | None = None        # outputs: the input giving shape and dtype
     dtype: str | None = None       # fixed dtype (e.g. int32); None = the kernel's dtype
+    dtype_group: str | None = None # 'pool': the entry key's pool dtype; None: its activation dtype
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class KernelSpec:
     prefer: tuple[Requirement, ...]
     check: str | None
     signature: SignatureSpec
-    entries: dict[str, str] = field(hash=False, compare=True)   # dtype -> entry symbol
+    entries: dict[str, str] = field(hash=False, compare=True)   # '<act>' or '<act>/<pool>' -> entry symbol
     targets: dict[str, TargetSpec] = field(hash=False, compare=True)
     root: Path = field(default=Path("."), compare=False)
     line: int = 0
@@ -334,7 +336,7 @@ def _signature(c: _Checker, d: Any) -> SignatureSpec | None:
         if not isinstance(b, dict):
             c.err(d, "buffers", f"{fname}: expected a mapping, got {_type_name(b)} {b!r}")
             continue
-        c.keys(b, {"name", "role", "like", "dtype"}, {"name", "role"}, fname)
+        c.keys(b, {"name", "role", "like", "dtype", "dtype_group"}, {"name", "role"}, fname)
         name = c.ident(b, "name", _IDENT, "an identifier", f"{fname}.name")
         role = c.typed(b, "role", (str,), "a string", f"{fname}.role")
         if role is not None and role not in BUFFER_ROLES:
@@ -344,6 +346,12 @@ def _signature(c: _Checker, d: Any) -> SignatureSpec | None:
         dtype = c.typed(b, "dtype", (str,), "a string", f"{fname}.dtype")
         if dtype is not None and dtype not in DTYPES + ("int32",):
             c.err(b, "dtype", f"{fname}.dtype: {dtype!r} is not one of {', '.join(DTYPES + ('int32',))}")
+        group = c.typed(b, "dtype_group", (str,), "a string", f"{fname}.dtype_group")
+        if group is not None and group not in DTYPE_GROUPS:
+            c.err(b, "dtype_group", f"{fname}.dtype_group: {group!r} is not one of {', '.join(DTYPE_GROUPS)}")
+        elif group is not None and (dtype is not None or role == "output"):
+            c.err(b, "dtype_group", f"{fname}.dtype_group: only an input or inplace buffer without a fixed "
+                                    f"dtype takes a group (outputs follow their `like`)")
         if role == "output" and like is None:
             c.err(b, None, f"{fname}: an output needs `like: <input>` for its shape and dtype")
         if role != "output" and like is not None:
@@ -354,7 +362,7 @@ def _signature(c: _Checker, d: Any) -> SignatureSpec | None:
             c.err(b, "name", f"{fname}.name: duplicate buffer name {name!r}")
         if name and role:
             names.add(name)
-            buffers.append(BufferSpec(name=name, role=role, like=like, dtype=dtype))
+            buffers.append(BufferSpec(name=name, role=role, like=like, dtype=dtype, dtype_group=group))
     scalars: list[ScalarSpec] = []
     for i, s in enumerate(c.str_list(d, "scalars", "signature.scalars") or []):
         fname = f"signature.scalars[{i}]"
@@ -376,6 +384,18 @@ def _signature(c: _Checker, d: Any) -> SignatureSpec | None:
     if buffers and not any(b.role != "input" for b in buffers):
         c.err(d, "buffers", "signature.buffers: a kernel needs at least one output or inplace buffer")
     return SignatureSpec(buffers=tuple(buffers), scalars=tuple(scalars))
+
+
+def _entry_key_problem(key: Any, has_pool: bool) -> str | None:
+    """Why an `entries` key is not '<act>' or '<act>/<pool>' (docs/manifest.md), or None."""
+    parts = key.split("/") if isinstance(key, str) else None
+    if parts is None or len(parts) > 2 or any(p not in DTYPES for p in parts):
+        return f"is not one of {', '.join(DTYPES)}, nor '<activation dtype>/<pool dtype>' of two of them"
+    if len(parts) == 2 and not has_pool:
+        return "names a pool dtype, but no signature buffer has `dtype_group: pool`"
+    if len(parts) == 2 and parts[0] == parts[1]:
+        return f"repeats one dtype: write {parts[0]!r}"
+    return None
 
 
 _KERNEL_KEYS = {"name", "kernel_attr", "description", "wrapper", "enable", "requires", "prefer",
@@ -422,9 +442,11 @@ def _kernel(problems: _Problems, root: Path, d: Any, index: int, line: int) -> K
             c.err(d, "entries", f"entries: expected a non-empty mapping dtype -> entry symbol, got "
                                 f"{_type_name(ent)} {ent!r}")
         else:
+            has_pool = signature is not None and any(b.dtype_group == "pool" for b in signature.buffers)
             for dt, sym in ent.items():
-                if dt not in DTYPES:
-                    c.err(ent, dt, f"entries: {dt!r} is not one of {', '.join(DTYPES)}")
+                problem = _entry_key_problem(dt, has_pool)
+                if problem:
+                    c.err(ent, dt, f"entries: {dt!r} {problem}")
                 elif not isinstance(sym, str) or not _C_IDENT.match(sym):
                     c.err(ent, dt, f"entries.{dt}: {sym!r} is not a C identifier")
                 else:

@@ -75,6 +75,10 @@ class Launcher:
         self._input_names = [b.name for b in sig.inputs]
         self._scalar_names = [s.name for s in sig.scalars]
         self._scalar_is_float = [s.type == "float32" for s in sig.scalars]
+        # Per buffer: a fixed dtype, or the group whose dtype the entry key gives (outputs: their like's).
+        by_name = {b.name: b for b in sig.buffers}
+        self._buffer_groups = [(b.dtype, by_name[b.like].dtype_group if b.like else b.dtype_group)
+                               for b in sig.buffers]
         self._binary = ext.KernelBinary(
             # Artifact file names carry their content key, so this names one exact binary.
             key=f"mlx_aot_{Path(path).name}", path=path, target=backend,
@@ -97,18 +101,22 @@ class Launcher:
     def plan(self, dtype: str, scalars: dict[str, int | float], *, grid: Sequence[int],
              threadgroup: Sequence[int]) -> Any:
         """Everything of a launch but the arrays, validated and packed once; reuse it for every call
-        with the same shapes (the per-call cost is then one extension call)."""
+        with the same shapes (the per-call cost is then one extension call). `dtype` is an entry key
+        of the manifest: '<act>' (every buffer without a fixed dtype) or '<act>/<pool>' (buffers of
+        `dtype_group: pool` take the second)."""
         entry = self.entries.get(dtype)
         if entry is None:
             raise KernelArgumentError(f"{self.spec.name}: no entry for dtype {dtype}; the manifest declares "
                                       f"{', '.join(self.entries)}")
+        act, _, pool = dtype.partition("/")
+        buffer_dtypes = [fixed or (pool or act if group == "pool" else act) for fixed, group in self._buffer_groups]
         try:
             bits = [_f32_bits(n, scalars[n]) if f else _i32_bits(n, scalars[n])
                     for n, f in zip(self._scalar_names, self._scalar_is_float)]
         except KeyError as e:
             raise KernelArgumentError(f"{self.spec.name}: missing scalar {e.args[0]!r}; the signature needs "
                                       f"{self._scalar_names}") from None
-        return self._ext.LaunchArgs(entry, bits, tuple(grid), tuple(threadgroup), dtype)
+        return self._ext.LaunchArgs(entry, bits, tuple(grid), tuple(threadgroup), dtype, buffer_dtypes)
 
     def run(self, plan: Any, arrays: list[mx.array], stream: Any = None) -> list[mx.array]:
         """Launch with a plan; `arrays` are the signature's inputs in `input_names` order."""

@@ -50,13 +50,20 @@ def matrix():
     return cases
 
 
-def make_case(T, Hq, Hkv, D, S, dtype, slots, seed=0, max_pos=5000):
+def make_case(T, Hq, Hkv, D, S, dtype, slots, seed=0, max_pos=5000, batch=None, pool_dtype=None):
+    """q, k, v, positions, slots, k_pool, v_pool; pools slot-major [S, Hkv, D], or head-major
+    [batch, Hkv, S, D] (batch * S slots) when `batch` is given; of `pool_dtype` (default: dtype)."""
     rng = np.random.default_rng(seed)
-    arr = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(MX_DTYPES[dtype])
+    arr = lambda *shape, dt=dtype: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(MX_DTYPES[dt])
     q, k, v = arr(T, Hq, D), arr(T, Hkv, D), arr(T, Hkv, D)
-    kp, vp = arr(S, Hkv, D), arr(S, Hkv, D)
+    pool_shape = (S, Hkv, D) if batch is None else (batch, Hkv, S, D)
+    kp, vp = arr(*pool_shape, dt=pool_dtype or dtype), arr(*pool_shape, dt=pool_dtype or dtype)
     pos = mx.array(rng.integers(0, max_pos, size=T).astype(np.int32))
     return q, k, v, pos, mx.array(np.asarray(slots, dtype=np.int32)), kp, vp
+
+
+# Every (activation, pool) dtype pair with an entry of its own (kernels.yaml `<act>/<pool>` keys).
+MIXED = [(a, p) for a in MX_DTYPES for p in MX_DTYPES if a != p]
 
 
 def to_np(a: mx.array) -> np.ndarray:

@@ -107,7 +107,8 @@ def test_cases_compute_the_same_step(variant):
     seed_out, sl, _, slots = _run_case("seed_loop", rope)
     assert len(fused) == len(mlx_out) == len(seed_out) == 8   # q, k, k_pool, v_pool per layer
     for a, b, c in zip(fused, mlx_out, seed_out):
-        np.testing.assert_allclose(f32(a), f32(b), atol=1e-4)
+        # fused computes the kernels' fp32 angles, mx.fast.rope its own: they differ by angle rounding.
+        np.testing.assert_allclose(f32(a), f32(b), atol=cases.AGREEMENT_TOL["float32"])
         np.testing.assert_allclose(f32(c), f32(b), atol=1e-4)
     # The pools the layers hold afterwards are the updated ones (rebinding), with rows at the slots.
     for layers in (fl, ml, sl):

@@ -21,14 +21,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from registry.kernels.rope_pool_fused import RopePoolFusedKernel, metal_geometry, pick_heads_per_thread
+from registry.errors import KernelArgumentError
+from registry.kernels.rope_pool_fused import (RopePoolFusedKernel, metal_geometry, pick_heads_per_thread,
+                                              rope_pool_fused_reference)
 from registry.manifest import load_manifest
 from registry.paths import PROJECT_ROOT
-from tests._oracle import rope_pool_numpy
+from tests._oracle import by_slot, rope_pool_numpy
 from tests.metal_emu.emulator import (AbiMismatch, Constant, EmulatedMetal, LaunchError,
                                       SanitizerError, UnsupportedMetalFeature, check_abi, compile_kernel,
                                       compile_source, from_bfloat16_bits, to_bfloat16_bits)
-from tests.rope_cases import MX_DTYPES, TOL, make_case, matrix, rope_variant, to_np
+from tests.rope_cases import MIXED, MX_DTYPES, TOL, make_case, matrix, rope_variant, to_np
 
 SPEC = load_manifest().kernel("rope_pool_fused")
 SOURCE = PROJECT_ROOT / "metal_src" / "rope_pool_fused.metal"
@@ -64,18 +66,22 @@ def emulated_kernel(library, rope, *, order="forward", seed=0) -> RopePoolFusedK
     return kernel
 
 
-def check_against_oracle(out, inputs, rope, dtype):
+def check_against_oracle(out, inputs, rope, dtype, pool_dtype=None):
     q, k, v, pos, slots, kp, vp = (to_np(a) for a in inputs)
     want = rope_pool_numpy(q, k, v, pos, slots, kp, vp, rope)
+    tol = max(TOL[dtype], TOL[pool_dtype or dtype])
     for name, got, w in zip(("q_rot", "k_rot", "k_pool", "v_pool"), out, want):
         g = to_np(got)
+        assert got.dtype == (inputs[5] if "pool" in name else inputs[0]).dtype, name
         assert not np.isnan(g).any(), f"{name}: elements the kernel never wrote (NaN sentinel)"
-        np.testing.assert_allclose(g, w, atol=TOL[dtype], rtol=TOL[dtype], err_msg=name)
-    # Rows no valid slot points at are untouched, bit for bit.
-    S = kp.shape[0]
+        np.testing.assert_allclose(g, w, atol=tol, rtol=tol, err_msg=name)
+    # Rows no valid slot points at are untouched, bit for bit (either pool layout).
+    S = by_slot(kp).shape[0]
     untouched = sorted(set(range(S)) - {int(s) for s in slots if 0 <= s < S})
     for name, got, before in (("k_pool", out[2], inputs[5]), ("v_pool", out[3], inputs[6])):
-        assert np.array_equal(storage(got)[untouched], storage(before)[untouched]), f"{name}: a skipped row changed"
+        assert got.shape == before.shape, f"{name}: the pool's shape changed"
+        assert np.array_equal(by_slot(storage(got))[untouched], by_slot(storage(before))[untouched]), \
+            f"{name}: a skipped row changed"
 
 
 def storage(a: mx.array) -> np.ndarray:
@@ -118,6 +124,9 @@ def test_source_matches_kernels_yaml_abi(library):
      r"\[\[buffer\(7\)\]\] positions is a pointer to int, kernels.yaml buffer positions needs a pointer to float"),
     (lambda s: _with_buffer(s, "v", role="inplace"),
      r"\[\[buffer\(2\)\]\] v is const, but v is role inplace"),
+    (lambda s: _with_buffer(s, "v_pool", dtype_group=None),
+     r"rope_pool_fused_f16_bf16: \[\[buffer\(6\)\]\] v_pool is a pointer to bfloat, kernels.yaml buffer v_pool "
+     r"needs a pointer to half"),
     (lambda s: dataclasses.replace(s, signature=dataclasses.replace(s.signature, buffers=s.signature.buffers[:-1])),
      r"scalar n_tokens belongs at \[\[buffer\(9\)\]\]"),
 ])
@@ -151,6 +160,47 @@ def test_parity_matrix(library, dtype, gqa, head_dim, variant):
     check_against_oracle(kernel(*inputs), inputs, rope, dtype)
 
 
+@pytest.mark.parametrize("dtype", list(MX_DTYPES))
+@pytest.mark.parametrize("variant", ["partial-traditional", "odd-pairs"])
+def test_head_major_pools(library, dtype, variant):
+    """mlx-lm's [B, Hkv, S, D] pools: slot b * S + s lands at [b, :, s, :]; the other rows stay."""
+    rope = rope_variant(variant, 128)
+    B, S = 3, 5
+    slots = [0, 14, -1, 6, 9, 4, 10]    # first and last slot, batch boundaries
+    kernel = emulated_kernel(library, rope, order="shuffled", seed=B)
+    inputs = make_case(len(slots), 8, 2, 128, S, dtype, slots, seed=11, batch=B)
+    check_against_oracle(kernel(*inputs), inputs, rope, dtype)
+
+
+def test_head_major_grouped_heads(library):
+    """heads_per_thread 4 with a kv head count it does not divide, head-major: each kv head of a
+    group steps pool_rows rows through the pool."""
+    T, Hq, Hkv, D, S, B = 160, 36, 6, 64, 70, 3
+    assert pick_heads_per_thread(Hq, Hkv, T) == 4
+    rope = rope_variant("partial-base-scaled", D)
+    slots = np.random.default_rng(2).permutation(B * S)[:T]
+    slots[::5] = -1
+    inputs = make_case(T, Hq, Hkv, D, S, "float16", slots, seed=4, batch=B)
+    check_against_oracle(emulated_kernel(library, rope, order="shuffled")(*inputs), inputs, rope, "float16")
+
+
+@pytest.mark.parametrize("act, pool", MIXED)
+@pytest.mark.parametrize("batch", [None, 2], ids=["slot-major", "head-major"])
+def test_mixed_dtype_pools(library, act, pool, batch):
+    """Pools of another float type than q/k/v: each pool row is the k_out / v row converted, bit
+    for bit, and out-of-range slots (unchecked) still write nothing."""
+    rope = rope_variant("partial-freqs-inf", 64)
+    slots = [5, -1, 0, 11, 12, 3, INT32_MAX]
+    inputs = make_case(len(slots), 4, 2, 64, 12 if batch is None else 6, act, slots, seed=7, batch=batch,
+                       pool_dtype=pool)
+    out = emulated_kernel(library, rope, order="shuffled", seed=len(act))(*inputs, check_slots=False)
+    check_against_oracle(out, inputs, rope, act, pool)
+    rows, toks = np.array([5, 0, 11, 3]), np.array([0, 2, 3, 5])
+    as_pool = lambda a: by_slot(np.array(a.astype(MX_DTYPES[pool]).astype(mx.float32)))
+    np.testing.assert_array_equal(as_pool(out[2])[rows], np.array(out[1].astype(MX_DTYPES[pool]).astype(mx.float32))[toks])
+    np.testing.assert_array_equal(as_pool(out[3])[rows], np.array(inputs[2].astype(MX_DTYPES[pool]).astype(mx.float32))[toks])
+
+
 @pytest.mark.parametrize("hpt", [1, 2, 3, 4, 8])
 def test_heads_per_thread_not_dividing_head_counts(library, hpt):
     """Grouped heads with a partial last group (30 q heads, 6 kv heads), plans packed by the real
@@ -160,9 +210,9 @@ def test_heads_per_thread_not_dividing_head_counts(library, hpt):
     launcher = EmulatedMetal(library, SPEC, order="shuffled", seed=hpt).launcher()
     inputs = make_case(T, Hq, Hkv, D, S, "float16", [0, 1, -1, 7, 2], seed=hpt)
     grid, group = metal_geometry(T, Hq, Hkv, D, rope.rotary_dims, hpt, 2)
-    scalars = dict(n_tokens=T, pool_size=S, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D, rotary_dims=rope.rotary_dims,
-                   traditional=int(rope.traditional), heads_per_thread=hpt, pos_scale=rope.pos_scale,
-                   mscale=rope.mscale)
+    scalars = dict(n_tokens=T, pool_size=S, pool_rows=S, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D,
+                   rotary_dims=rope.rotary_dims, traditional=int(rope.traditional), heads_per_thread=hpt,
+                   pos_scale=rope.pos_scale, mscale=rope.mscale, pool_layout=0)
     plan = launcher.plan("float16", scalars, grid=grid, threadgroup=group)
     q, k, v, pos, slots, kp, vp = inputs
     out = launcher.run(plan, [q, k, v, kp, vp, pos, slots, mx.array(rope.inv_freq())])
@@ -189,36 +239,66 @@ def test_empty_batch_and_empty_pool(library):
     assert out[0].shape == (0, 4, 64) and np.array_equal(to_np(out[2]), to_np(inputs[5]))
     inputs = make_case(3, 4, 2, 64, 0, "float32", [-1, -1, -1])
     check_against_oracle(kernel(*inputs), inputs, rope, "float32")
+    # A head-major pool of 0 rows (an mlx-lm cache before its first step): no slot is valid.
+    inputs = make_case(3, 4, 2, 64, 0, "float32", [0, 1, -1], batch=2)
+    check_against_oracle(kernel(*inputs, check_slots=False), inputs, rope, "float32")
 
 
 # ----------------------------------------------------------------------------- bounds
 
 @pytest.mark.parametrize("dtype", list(MX_DTYPES))
 @pytest.mark.parametrize("hpt", [1, 4])
-def test_out_of_range_slots_never_write(library, dtype, hpt):
+@pytest.mark.parametrize("batch", [None, 3], ids=["slot-major", "head-major"])
+def test_out_of_range_slots_never_write(library, dtype, hpt, batch):
     """Slots >= pool_size (up to INT32_MAX) and < 0 (down to INT32_MIN) with every buffer allocated
     to its exact size under AddressSanitizer: only the valid rows change, nothing else is touched."""
     rope = rope_variant("odd-pairs", 96)
     T, Hq, Hkv, D, S = 8, 12, 4, 96, 4
-    slots = [S, S + 1, 10**6, INT32_MAX, -1, INT32_MIN, 0, S - 1]
-    inputs = make_case(T, Hq, Hkv, D, S, dtype, slots, seed=hpt)
+    size = S * (batch or 1)
+    slots = [size, size + 1, 10**6, INT32_MAX, -1, INT32_MIN, 0, size - 1]
+    inputs = make_case(T, Hq, Hkv, D, S, dtype, slots, seed=hpt, batch=batch)
     launcher = EmulatedMetal(library, SPEC, order="shuffled", seed=hpt).launcher()
     grid, group = metal_geometry(T, Hq, Hkv, D, rope.rotary_dims, hpt, inputs[0].dtype.size)
-    plan = launcher.plan(dtype, dict(n_tokens=T, pool_size=S, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D,
-                                     rotary_dims=rope.rotary_dims, traditional=int(rope.traditional),
-                                     heads_per_thread=hpt, pos_scale=1.0, mscale=1.0), grid=grid, threadgroup=group)
+    plan = launcher.plan(dtype, dict(n_tokens=T, pool_size=size, pool_rows=S, n_q_heads=Hq, n_kv_heads=Hkv,
+                                     head_dim=D, rotary_dims=rope.rotary_dims, traditional=int(rope.traditional),
+                                     heads_per_thread=hpt, pos_scale=1.0, mscale=1.0,
+                                     pool_layout=int(batch is not None)), grid=grid, threadgroup=group)
     q, k, v, pos, sl, kp, vp = inputs
     out = launcher.run(plan, [q, k, v, kp, vp, pos, sl, mx.array(rope.inv_freq())])
     check_against_oracle(out, inputs, rope, dtype)
 
 
-def test_wrapper_path_with_unchecked_out_of_range_slots(library):
+@pytest.mark.parametrize("batch", [None, 2], ids=["slot-major", "head-major"])
+def test_wrapper_path_with_unchecked_out_of_range_slots(library, batch):
     """check_slots=False skips the wrapper's host check; the kernel alone must stay in bounds."""
     rope = rope_variant("full-traditional-freqs", 64)
-    slots = [3, INT32_MAX, -7, 4]
-    inputs = make_case(4, 8, 8, 64, 4, "float16", slots)
+    slots = [3, INT32_MAX, -7, 4 * (batch or 1)]
+    inputs = make_case(4, 8, 8, 64, 4, "float16", slots, batch=batch)
     out = emulated_kernel(library, rope)(*inputs, check_slots=False)
     check_against_oracle(out, inputs, rope, "float16")
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["slot-major", "head-major"])
+def test_checked_calls_refuse_duplicate_slots_and_positions_beyond_fp32(library, batch):
+    kernel = emulated_kernel(library, rope_variant("full-base", 64))
+    q, k, v, pos, slots, kp, vp = make_case(4, 4, 2, 64, 4, "float32", [1, 3, -1, 1], batch=batch)
+    with pytest.raises(KernelArgumentError, match=r"slots\[3\]=1 repeats slots\[0\]"):
+        kernel(q, k, v, pos, slots, kp, vp)
+    with pytest.raises(KernelArgumentError, match=r"positions\[2\]=-3 is outside \[0, 2\^24"):
+        kernel(q, k, v, mx.array([0, 1, -3, 2], dtype=mx.int32), mx.array([0, 1, 2, 3], dtype=mx.int32), kp, vp)
+    assert kernel._launcher._ext.launches == 0   # refused before any launch
+
+
+@pytest.mark.parametrize("variant", ["full-base", "partial-traditional"])
+def test_unchecked_extreme_positions_match_the_reference(library, variant):
+    """Negative, > 2^24 and INT32 extreme positions: the Metal kernel's fp32 angles are the
+    reference's (and the CPU kernel's, tests/test_rope_pool_limits.py)."""
+    rope = rope_variant(variant, 64)
+    args = list(make_case(8, 4, 2, 64, 8, "float32", list(range(8))))
+    args[3] = mx.array([-1, -5000, INT32_MAX, INT32_MIN, 2**24, 2**24 + 1, 123456789, 0], dtype=mx.int32)
+    got = emulated_kernel(library, rope)(*args, check_slots=False)
+    for name, g, r in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, rope_pool_fused_reference(*args, rope=rope)):
+        np.testing.assert_allclose(to_np(g), to_np(r), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 def mutated(cache: Path, old: str, new: str, source: Path = SOURCE) -> Path:
@@ -240,9 +320,10 @@ def run_direct(lib, dtype, rope, T, Hq, Hkv, D, S, slots, hpt=1):
     launcher = EmulatedMetal(lib, SPEC).launcher()
     inputs = make_case(T, Hq, Hkv, D, S, dtype, slots)
     grid, group = metal_geometry(T, Hq, Hkv, D, rope.rotary_dims, hpt, inputs[0].dtype.size)
-    plan = launcher.plan(dtype, dict(n_tokens=T, pool_size=S, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D,
-                                     rotary_dims=rope.rotary_dims, traditional=int(rope.traditional),
-                                     heads_per_thread=hpt, pos_scale=1.0, mscale=1.0), grid=grid, threadgroup=group)
+    plan = launcher.plan(dtype, dict(n_tokens=T, pool_size=S, pool_rows=S, n_q_heads=Hq, n_kv_heads=Hkv,
+                                     head_dim=D, rotary_dims=rope.rotary_dims, traditional=int(rope.traditional),
+                                     heads_per_thread=hpt, pos_scale=1.0, mscale=1.0, pool_layout=0),
+                         grid=grid, threadgroup=group)
     q, k, v, pos, sl, kp, vp = inputs
     return launcher.run(plan, [q, k, v, kp, vp, pos, sl, mx.array(rope.inv_freq())])
 
@@ -304,9 +385,10 @@ def test_unsupported_declarations_fail_loudly(emu_cache, old, new, feature):
 def test_runner_refuses_bad_launches(library):
     """Function constants missing or mistyped, unbound buffers, unknown entries, oversized groups:
     each an error naming it, as Metal would refuse the pipeline or the dispatch."""
-    bufs = {i: np.zeros(4, np.float32) for i in range(12)}
+    bufs = {i: np.zeros(4, np.float32) for i in range(13)}
     consts = {i: Constant.of("int32", 1) for i in range(6)} | {6: Constant.of("float32", 1.0),
-                                                                 7: Constant.of("float32", 1.0)}
+                                                                 7: Constant.of("float32", 1.0),
+                                                                 8: Constant.of("int32", 0)}
     ok = dict(grid=(1, 1, 1), group=(1, 1, 1))
     with pytest.raises(LaunchError, match=r"function constant 7 \(float MSCALE\) has no value"):
         library.run("rope_pool_fused_f32", bufs, {i: c for i, c in consts.items() if i != 7}, **ok)

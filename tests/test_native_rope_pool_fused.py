@@ -12,7 +12,7 @@ from registry import ArtifactError, KernelRegistry
 from registry.core import SelectionContext, backend_of
 from registry.kernels.rope_pool_fused import build, rope_pool_fused_reference
 from registry.rope import RopeConfig
-from tests._oracle import rope_pool_numpy
+from tests._oracle import by_slot, rope_pool_numpy
 from tests.rope_cases import TOL, make_case, matrix, rope_variant, to_np
 
 SPEC = KernelRegistry.from_yaml().manifest.kernel("rope_pool_fused")
@@ -51,6 +51,44 @@ def test_parity_matrix(native_artifacts, dtype, gqa, head_dim, variant):
     r = rope.rotary_dims
     assert mx.array_equal(got[0][..., r:], args[0][..., r:])
     assert mx.array_equal(got[2][mx.array([5, 0, 11, 3, 7])][..., r:], args[1][mx.array([0, 2, 3, 5, 6])][..., r:])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("variant", ["partial-traditional", "odd-pairs", "full-base"])
+def test_head_major_parity(native_artifacts, dtype, variant):
+    """mlx-lm's [B, Hkv, S, D] pools against the oracle and the reference, out-of-range slots
+    included (unchecked): slot b * S + s lands at [b, :, s, :], nothing else changes."""
+    rope = rope_variant(variant, 96)
+    B, S = 3, 5
+    slots = [0, 14, -1, 6, 15, 9, 2**31 - 1, 4, 10]
+    args = make_case(len(slots), 8, 2, 96, S, dtype, slots, seed=9, batch=B)
+    expected = rope_pool_numpy(*[to_np(a) for a in args], rope)
+    reference = rope_pool_fused_reference(*args, rope=rope)
+    before = by_slot(to_np(args[5]))
+    got = native_kernel(rope)(*args[:5], mx.array(args[5]), mx.array(args[6]), check_slots=False)
+    for name, g, r, e in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, reference, expected):
+        assert g.dtype == args[0].dtype and g.shape == r.shape == e.shape, name
+        np.testing.assert_allclose(to_np(g), e, atol=TOL[dtype], rtol=TOL[dtype], err_msg=f"{name} vs oracle")
+        np.testing.assert_allclose(to_np(g), to_np(r), atol=TOL[dtype], rtol=TOL[dtype], err_msg=f"{name} vs ref")
+    untouched = sorted(set(range(B * S)) - {0, 14, 6, 9, 4, 10})
+    np.testing.assert_array_equal(by_slot(to_np(got[2]))[untouched], before[untouched])
+    assert mx.array_equal(got[3][2, :, 4], args[2][1])       # slot 14 = batch 2, row 4
+
+
+def test_head_major_pools_are_updated_in_place(native_artifacts):
+    args = make_case(2, 4, 2, 64, 8, "float16", [3, 9], batch=2)
+    kp, vp = args[5], args[6]
+    before = data_ptr(kp), data_ptr(vp)
+    _, _, kp_new, vp_new = native_kernel(RopeConfig(64))(*args[:5], kp, vp)
+    assert (data_ptr(kp_new), data_ptr(vp_new)) == before and kp_new.shape == (2, 2, 8, 64)
+    assert mx.array_equal(vp_new[1, :, 1], args[2][1])
+
+
+def test_head_major_out_of_range_slot_is_checked(native_artifacts):
+    from registry.errors import KernelArgumentError
+    args = make_case(2, 4, 2, 64, 4, "float32", [1, 8], batch=2)
+    with pytest.raises(KernelArgumentError, match=r"slots\[1\]=8 is out of range for a pool of 8 slots"):
+        native_kernel(RopeConfig(64))(*args)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -167,7 +205,7 @@ def test_pending_lazy_reader_of_the_old_pool_observes_the_write(native_artifacts
     lazy_pool = vp_new * 1
     old = np.array(vp_new)
     reader = lazy_pool[1] + 0
-    _, _, _, vp_lazy = kernel(*args[:4], mx.array([1, 1, 1], dtype=mx.int32), kp_new, lazy_pool)
+    _, _, _, vp_lazy = kernel(*args[:4], mx.array([-1, -1, 1], dtype=mx.int32), kp_new, lazy_pool)
     mx.eval(vp_lazy)
     np.testing.assert_array_equal(np.array(reader), old[1])
     np.testing.assert_array_equal(np.array(vp_lazy[1]), np.array(args[2][2]))
@@ -255,6 +293,11 @@ def test_zero_tokens_and_all_negative_slots(native_artifacts):
     empty = make_case(0, 4, 2, 64, 4, "float32", [])
     out = kernel(*empty)
     assert out[0].shape == (0, 4, 64) and mx.array_equal(out[2], empty[5])
+    no_rows = make_case(2, 4, 2, 64, 0, "float32", [0, 1], batch=2)   # head-major, 0 rows: nothing valid
+    out = kernel(*no_rows, check_slots=False)
+    assert out[2].shape == (2, 2, 0, 64)
+    np.testing.assert_allclose(to_np(out[1]), rope_pool_numpy(*[to_np(a) for a in no_rows], RopeConfig(64))[1],
+                               atol=TOL["float32"])
     args = make_case(3, 4, 2, 64, 4, "float32", [-1, -1, -1])
     before = np.array(args[5])
     out = kernel(*args)

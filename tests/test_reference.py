@@ -42,6 +42,29 @@ def test_reference_matches_oracle(dtype, rope_name, gqa):
     check_against_oracle(out, args, ROPES[rope_name], dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rope_name", ["partial", "traditional"])
+def test_head_major_pools_match_oracle(dtype, rope_name):
+    """mlx-lm's [B, Hkv, S, D] layout: slot b * S + s is [b, :, s, :]; out-of-range and negative
+    slots are skipped, the pool keeps its shape."""
+    B, S = 3, 4
+    slots = [0, 11, -1, 5, 12, 2 ** 31 - 1, 4]
+    args = make_case(len(slots), 4, 2, 64, S, dtype, slots, seed=5, batch=B)
+    out = rope_pool_fused_reference(*args, rope=ROPES[rope_name])
+    assert out[2].shape == out[3].shape == (B, 2, S, 64)
+    check_against_oracle(out, args, ROPES[rope_name], dtype)
+    assert mx.array_equal(out[3][1, :, 1], args[2][3])   # slot 5 = batch 1, row 1
+    assert mx.array_equal(out[3][2, :, 3], args[2][1])   # slot 11 = the last row of the last batch
+
+
+def test_head_major_lazy_no_host_sync():
+    """The reference builds its graph without reading slots on the host (usable inside mx.compile)."""
+    args = make_case(2, 2, 2, 16, 4, "float32", [1, 6], batch=2)
+    f = mx.compile(lambda *a: rope_pool_fused_reference(*a, rope=RopeConfig(16)))
+    out = f(*args)
+    check_against_oracle(out, args, RopeConfig(16), "float32")
+
+
 def test_pass_through_features_are_bit_exact():
     args = make_case(4, 4, 2, 128, 8, "bfloat16", [0, 1, 2, 3])
     q_rot, k_rot, kp, _ = rope_pool_fused_reference(*args, rope=RopeConfig(64))
@@ -73,6 +96,12 @@ def test_out_of_range_slot_is_an_error_and_never_written():
     np.testing.assert_array_equal(np.array(kp[[0, 2, 3]]), np.array(args[5][[0, 2, 3]]))
 
 
+def test_head_major_out_of_range_slot_is_an_error():
+    args = make_case(2, 2, 2, 16, 4, "float32", [7, 8], batch=2)
+    with pytest.raises(KernelArgumentError, match=r"slots\[1\]=8 is out of range for a pool of 8 slots"):
+        rope_pool_fused(*args, rope=RopeConfig(16))
+
+
 def test_zero_tokens():
     args = make_case(0, 4, 2, 16, 4, "float16", [])
     out = rope_pool_fused(*args, rope=RopeConfig(16))
@@ -97,7 +126,14 @@ def _bad(**over):
     (dict(k=mx.zeros((3, 3, 16), dtype=mx.float16), v=mx.zeros((3, 3, 16), dtype=mx.float16)),
      "q has 4 heads, not a multiple of k's 3 heads"),
     (dict(k_pool=mx.zeros((8, 2, 32), dtype=mx.float16)),
-     r"k_pool 8x2x32: pool layout must be \[pool_size, n_kv_heads=2, head_dim=16\]"),
+     r"k_pool 8x2x32: a slot-major pool must be \[pool_size, n_kv_heads=2, head_dim=16\]"),
+    (dict(v_pool=mx.zeros((1, 3, 8, 16), dtype=mx.float16)),
+     r"v_pool 1x3x8x16: a head-major pool must be \[batch, n_kv_heads=2, rows, head_dim=16\]"),
+    (dict(k_pool=mx.zeros((8, 32), dtype=mx.float16)),
+     r"k_pool must be a slot-major \[pool_size, n_kv_heads, head_dim\] \(3-D\) or head-major "
+     r"\[batch, n_kv_heads, rows, head_dim\] \(4-D\) pool, got shape 8x32"),
+    (dict(k_pool=mx.zeros((2, 2, 4, 16), dtype=mx.float16)),
+     "k_pool 2x2x4x16 and v_pool 8x2x16 must have the same shape"),
     (dict(v_pool=mx.zeros((9, 2, 16), dtype=mx.float16)), "k_pool 8x2x16 and v_pool 9x2x16 must have the same shape"),
     (dict(positions=mx.zeros((3,), dtype=mx.int64)), r"positions must be int32 \[tokens=3\], got mlx.core.int64 3"),
     (dict(slots=mx.zeros((4,), dtype=mx.int32)), r"slots must be int32 \[tokens=3\], got mlx.core.int32 4"),

@@ -3,9 +3,15 @@
 Contract (docs/kernel-abi.md):
     rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, *, rope)
         -> (q_rot, k_rot, k_pool, v_pool)
-q [T, Hq, D], k and v [T, Hkv, D], positions and slots int32 [T], pools [S, Hkv, D], all float arrays
-of one dtype (f16/bf16/f32). The first `rope.rotary_dims` features rotate, the rest pass through (in
-the outputs and the pool). slots[t] < 0 rotates only; slots[t] >= S is an error.
+q [T, Hq, D], k and v [T, Hkv, D] of one float dtype (f16/bf16/f32), positions and slots int32 [T].
+The pools (one shape, one float dtype, which may differ from q's: rows are converted on the store)
+are slot-major [S, Hkv, D] (slot s is row s) or head-major [B, Hkv, S, D] (mlx-lm's KVCache
+layout; slot = b * S + s), told apart by their rank.
+The first `rope.rotary_dims` features rotate, the rest pass through (in the outputs and the pool).
+slots[t] < 0 rotates only. check_slots=True (one host sync) refuses slots >= the pool's slot count
+(S, or B * S), a valid slot given twice, and positions outside [0, 2^24]; with check_slots=False
+the kernels still never write out of range, but which token's row lands on a repeated slot is
+unspecified, and any int32 position gives angle = float(position) * pos_scale * inv_freq.
 The pools come back updated; the native path updates them in place (the returned arrays share the
 buffers passed in), so always rebind: `q, k, k_pool, v_pool = kernel(...)`.
 
@@ -38,24 +44,46 @@ def _shape(a: Any) -> str:
     return "x".join(str(s) for s in a.shape) if hasattr(a, "shape") else type(a).__name__
 
 
+SLOT_MAJOR, HEAD_MAJOR = 0, 1   # the kernel's pool_layout scalar
+_LAYOUTS = {3: ("slot-major", "[pool_size, n_kv_heads={Hkv}, head_dim={D}]"),
+            4: ("head-major", "[batch, n_kv_heads={Hkv}, rows, head_dim={D}]")}
+
+
+def pool_geometry(pool: mx.array) -> tuple[int, int, int]:
+    """(pool_size = slots in all, pool_rows = rows per (batch, head), pool_layout) of a 3-D
+    slot-major or 4-D head-major pool (validated)."""
+    if pool.ndim == 3:
+        return pool.shape[0], pool.shape[0], SLOT_MAJOR
+    return pool.shape[0] * pool.shape[2], pool.shape[2], HEAD_MAJOR
+
+
 def validate(q, k, v, positions, slots, k_pool, v_pool, rope: RopeConfig) -> None:
     """Raise KernelArgumentError naming the argument, the expectation and the shapes seen."""
     named = dict(q=q, k=k, v=v, positions=positions, slots=slots, k_pool=k_pool, v_pool=v_pool)
     for name, a in named.items():
         if not isinstance(a, mx.array):
             raise KernelArgumentError(f"rope_pool_fused: {name} must be an mx.array, got {type(a).__name__}")
-    for name in ("q", "k", "v", "k_pool", "v_pool"):
+    for name in ("q", "k", "v"):
         if named[name].ndim != 3:
+            raise KernelArgumentError(f"rope_pool_fused: {name} must be 3-D [tokens, heads, head_dim], "
+                                      f"got shape {_shape(named[name])}")
+    for name in ("k_pool", "v_pool"):
+        if named[name].ndim not in _LAYOUTS:
             raise KernelArgumentError(
-                f"rope_pool_fused: {name} must be 3-D "
-                f"{'[pool_size, n_kv_heads, head_dim]' if 'pool' in name else '[tokens, heads, head_dim]'}, "
-                f"got shape {_shape(named[name])}")
+                f"rope_pool_fused: {name} must be a slot-major [pool_size, n_kv_heads, head_dim] (3-D) or "
+                f"head-major [batch, n_kv_heads, rows, head_dim] (4-D) pool, got shape {_shape(named[name])}")
     if q.dtype not in _DTYPES:
         raise KernelArgumentError(f"rope_pool_fused: q dtype {q.dtype} is not float16, bfloat16 or float32")
-    for name in ("k", "v", "k_pool", "v_pool"):
+    for name in ("k", "v"):
         if named[name].dtype != q.dtype:
             raise KernelArgumentError(f"rope_pool_fused: {name} dtype {named[name].dtype} differs from "
-                                      f"q dtype {q.dtype}; all of q, k, v, k_pool, v_pool must match")
+                                      f"q dtype {q.dtype}; q, k and v must match")
+    if k_pool.dtype not in _DTYPES:
+        raise KernelArgumentError(f"rope_pool_fused: k_pool dtype {k_pool.dtype} is not float16, bfloat16 or "
+                                  f"float32 (a pool may differ from q's dtype, but must be one of these)")
+    if v_pool.dtype != k_pool.dtype:
+        raise KernelArgumentError(f"rope_pool_fused: v_pool dtype {v_pool.dtype} differs from k_pool dtype "
+                                  f"{k_pool.dtype}; the pools must match")
     T, Hq, D = q.shape
     if k.shape != v.shape:
         raise KernelArgumentError(f"rope_pool_fused: k {_shape(k)} and v {_shape(v)} must have the same shape")
@@ -69,9 +97,10 @@ def validate(q, k, v, positions, slots, k_pool, v_pool, rope: RopeConfig) -> Non
         raise KernelArgumentError(f"rope_pool_fused: head_dim={D} must be even")
     for name in ("k_pool", "v_pool"):
         p = named[name]
-        if p.shape[1:] != (Hkv, D):
-            raise KernelArgumentError(f"rope_pool_fused: {name} {_shape(p)}: pool layout must be "
-                                      f"[pool_size, n_kv_heads={Hkv}, head_dim={D}]")
+        if p.shape[1] != Hkv or p.shape[-1] != D:
+            layout, want = _LAYOUTS[p.ndim]
+            raise KernelArgumentError(f"rope_pool_fused: {name} {_shape(p)}: a {layout} pool must be "
+                                      + want.format(Hkv=Hkv, D=D))
     if k_pool.shape != v_pool.shape:
         raise KernelArgumentError(f"rope_pool_fused: k_pool {_shape(k_pool)} and v_pool {_shape(v_pool)} "
                                   f"must have the same shape")
@@ -82,65 +111,107 @@ def validate(q, k, v, positions, slots, k_pool, v_pool, rope: RopeConfig) -> Non
                                       f"{a.dtype} {_shape(a)}")
     if rope.rotary_dims > D:
         raise KernelArgumentError(f"rope_pool_fused: rope.rotary_dims={rope.rotary_dims} exceeds head_dim={D}")
+    size = pool_geometry(k_pool)[0]
+    if size > INT32_MAX:
+        raise KernelArgumentError(f"rope_pool_fused: k_pool {_shape(k_pool)} holds {size} slots, more than "
+                                  f"INT32_MAX = {INT32_MAX}: slots and the kernel's pool_size are int32")
 
 
-def validate_slots(slots: mx.array, pool_size: int) -> None:
-    """Raise if any slot is >= pool_size. Costs one host sync: engines call it once per step and
-    pass check_slots=False to every layer (the kernels never write out of bounds regardless)."""
+MAX_POSITION = 2**24   # fp32 angles of larger positions carry no meaningful fraction of a turn
+INT32_MAX = 2**31 - 1
+
+
+def validate_slots(slots: mx.array, pool_size: int, positions: mx.array | None = None) -> None:
+    """Raise if any slot is >= pool_size, a valid slot repeats, or (given positions) a position is
+    outside [0, 2^24]. Costs one host sync for all of it: engines call it once per step and pass
+    check_slots=False to every layer (the kernels never write out of bounds regardless)."""
     if slots.size == 0:
         return
-    hi = int(mx.max(slots).item())
-    if hi >= pool_size:
+    valid = (slots >= 0) & (slots < pool_size)
+    # Invalid slots become distinct negatives, so only valid repeats sort next to each other.
+    keys = mx.sort(mx.where(valid, slots, -1 - mx.arange(slots.size, dtype=mx.int32)))
+    checks = [mx.max(slots) >= pool_size, mx.any(keys[1:] == keys[:-1])]
+    if positions is not None:
+        checks += [mx.min(positions) < 0, mx.max(positions) > MAX_POSITION]
+    out_of_range, repeated, *bad_positions = mx.stack(checks).tolist()
+    if out_of_range:
         bad = int(mx.argmax(slots >= pool_size).item())
         raise KernelArgumentError(f"rope_pool_fused: slots[{bad}]={int(slots[bad].item())} "
                                   f"is out of range for a pool of {pool_size} slots (valid: 0..{pool_size - 1}, "
                                   f"or < 0 to skip the write)")
+    if repeated:
+        first: dict[int, int] = {}
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0 and slot in first:
+                raise KernelArgumentError(f"rope_pool_fused: slots[{t}]={slot} repeats slots[{first[slot]}]: a "
+                                          f"slot may be written once per call (unchecked, which token's row "
+                                          f"lands is unspecified)")
+            first.setdefault(slot, t)
+    if any(bad_positions):
+        p = positions.tolist()
+        t = next(i for i, x in enumerate(p) if not 0 <= x <= MAX_POSITION)
+        raise KernelArgumentError(f"rope_pool_fused: positions[{t}]={p[t]} is outside [0, 2^24 = {MAX_POSITION}]: "
+                                  f"fp32 RoPE angles are meaningless beyond (unchecked, every path computes "
+                                  f"float(position) * pos_scale * inv_freq all the same)")
 
 
 # ----------------------------------------------------------------------------- reference
 
 def _rotate(x: mx.array, positions: mx.array, rope: RopeConfig) -> mx.array:
-    """x [T, H, D] -> rotated, fp32 math, rounded once to x.dtype."""
-    r = rope.rotary_dims
+    """x [T, H, D] -> rotated, fp32 math, rounded once to x.dtype. The angles are the kernels' own
+    (docs/kernel-abi.md): float32(position) * pos_scale * inv_freq[i] in fp32, with the float32
+    inv_freq the kernels get, so every path agrees at any int32 position, negative ones included."""
+    r, half = rope.rotary_dims, rope.rotary_dims // 2
     x32 = x.astype(mx.float32)
-    if rope.mscale != 1.0:
-        x32 = mx.concatenate([x32[..., :r] * rope.mscale, x32[..., r:]], axis=-1)
-    # One batch element per token so each token gets its own offset (mx.fast.rope takes a [B] offset).
-    kw = dict(base=rope.base) if rope.periods is None else dict(base=None, freqs=_periods(rope))
-    out = mx.fast.rope(x32[:, :, None, :], r, traditional=rope.traditional, scale=rope.pos_scale,
-                       offset=positions, **kw)
-    return out[:, :, 0, :].astype(x.dtype)
+    angle = (positions.astype(mx.float32) * rope.pos_scale)[:, None] * _inv_freq(rope)[None]   # [T, r/2]
+    c, s = mx.cos(angle)[:, None, :], mx.sin(angle)[:, None, :]
+    if rope.traditional:
+        x1, x2 = x32[..., 0:r:2] * rope.mscale, x32[..., 1:r:2] * rope.mscale
+        rot = mx.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).reshape(*x.shape[:-1], r)
+    else:
+        x1, x2 = x32[..., :half] * rope.mscale, x32[..., half:r] * rope.mscale
+        rot = mx.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+    if r < x.shape[-1]:
+        rot = mx.concatenate([rot, x32[..., r:]], axis=-1)   # pass-through features, exact
+    return rot.astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=64)
-def _periods(rope: RopeConfig) -> mx.array:
-    return mx.array(rope.periods_array())
+def _inv_freq(rope: RopeConfig) -> mx.array:
+    return mx.array(rope.inv_freq())
 
 
 def _store(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
-    """pool with pool[slots[t]] = rows[t] where slots[t] is in range, lazily (no host sync).
+    """pool with slot slots[t] = rows[t] [Hkv, D] where slots[t] is in range, lazily (no host sync),
+    for either pool layout: one scatter of head rows into the pool seen as [rows, D].
 
     Rows whose slot must not be written are redirected to repeat a valid token's write (identical
     value, so duplicate indices cannot conflict); with no valid token at all, slot 0 gets its own value.
     """
-    S = pool.shape[0]
-    if slots.size == 0 or S == 0:
+    size, S, layout = pool_geometry(pool)
+    Hkv, D = pool.shape[1], pool.shape[-1]
+    if slots.size == 0 or size == 0 or Hkv == 0:
         return mx.array(pool)
-    valid = (slots >= 0) & (slots < S)
+    valid = (slots >= 0) & (slots < size)
     j = mx.argmax(valid)
     any_valid = valid[j]
-    fallback_slot = mx.where(any_valid, slots[j], 0)
-    fallback_row = mx.where(any_valid, rows[j], pool[0])
-    idx = mx.where(valid, slots, fallback_slot)
-    vals = mx.where(valid[:, None, None], rows, fallback_row[None])
-    out = mx.array(pool)  # a new array object: the caller's pool object is left as it was
-    out[idx] = vals
-    return out
+    idx = mx.where(valid, slots, mx.where(any_valid, slots[j], 0)).astype(mx.int64)  # 64-bit row indices
+    h = mx.arange(Hkv, dtype=mx.int64)[None]
+    if layout == SLOT_MAJOR:
+        flat_rows = idx[:, None] * Hkv + h
+    else:
+        flat_rows = ((idx // S)[:, None] * Hkv + h) * S + (idx % S)[:, None]
+    out = pool.reshape(-1, D)  # a new array object: the caller's pool object is left as it was
+    fallback = mx.where(any_valid, rows[j].astype(pool.dtype)[None], out[flat_rows])  # no valid token: identity
+    vals = mx.where(valid[:, None, None], rows.astype(pool.dtype), fallback)
+    out[flat_rows.reshape(-1)] = vals.reshape(-1, D)
+    return out.reshape(pool.shape)
 
 
 def rope_pool_fused_reference(q, k, v, positions, slots, k_pool, v_pool, *, rope):
-    """Pure-MLX rope_pool_fused: mx.fast.rope with per-token offsets + two scatters. Runs on every
-    MLX device; rows with slot < 0 or >= pool size are not written."""
+    """Pure-MLX rope_pool_fused: the kernels' fp32 rotation (their angles) + two scatters, lazily (no
+    host sync). Runs on every MLX device, either pool layout, any float pool dtype; rows with slot < 0
+    or >= pool size are not written."""
     rope = normalize_rope(rope)
     validate(q, k, v, positions, slots, k_pool, v_pool, rope)
     q_rot = _rotate(q, positions, rope)
@@ -214,7 +285,7 @@ class RopePoolFusedKernel:
         self.device = device
         self._launcher = launcher
         self.reason = reason
-        self._inv_freq = mx.array(rope.inv_freq())
+        self._inv_freq = _inv_freq(rope)
         self._plans: dict[tuple, tuple] = {}
         self.enabled = True
         if launcher is not None:
@@ -238,10 +309,13 @@ class RopePoolFusedKernel:
         geometry = _GEOMETRY.get(self.backend)
         grid, group = (geometry(T, Hq, Hkv, D, self.rope.rotary_dims, hpt, q.dtype.size) if geometry
                        else ((1, 1, 1), (1, 1, 1)))
-        scalars = dict(n_tokens=T, pool_size=k_pool.shape[0], n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D,
-                       rotary_dims=self.rope.rotary_dims, traditional=int(self.rope.traditional),
-                       heads_per_thread=hpt, pos_scale=self.rope.pos_scale, mscale=self.rope.mscale)
-        return self._launcher.plan(_DTYPES[q.dtype], scalars, grid=grid, threadgroup=group)
+        pool_size, pool_rows, pool_layout = pool_geometry(k_pool)
+        scalars = dict(n_tokens=T, pool_size=pool_size, pool_rows=pool_rows, n_q_heads=Hq, n_kv_heads=Hkv,
+                       head_dim=D, rotary_dims=self.rope.rotary_dims, traditional=int(self.rope.traditional),
+                       heads_per_thread=hpt, pos_scale=self.rope.pos_scale, mscale=self.rope.mscale,
+                       pool_layout=pool_layout)
+        act, pool = _DTYPES[q.dtype], _DTYPES[k_pool.dtype]
+        return self._launcher.plan(act if act == pool else f"{act}/{pool}", scalars, grid=grid, threadgroup=group)
 
     def __call__(self, q, k, v, positions, slots, k_pool, v_pool, *, check_slots: bool = True):
         # Hot path: one dict lookup on the shape/dtype signature, then one extension call.
@@ -259,7 +333,7 @@ class RopePoolFusedKernel:
                 self._plans.clear()
             self._plans[key] = plan
         if check_slots:
-            validate_slots(slots, k_pool.shape[0])
+            validate_slots(slots, pool_geometry(k_pool)[0], positions)
         if plan is _REFERENCE:
             return rope_pool_fused_reference(q, k, v, positions, slots, k_pool, v_pool, rope=self.rope)
         q_rot, k_rot, k_pool, v_pool = self._launch(

@@ -58,6 +58,12 @@ SANITIZER_SCRIPT = textwrap.dedent("""
                  check_slots=False)
     mx.eval(out)
     print("rows written:", int(mx.sum(out[2][:, 0, 0] != 1).item()))
+    # Head-major [B, Hkv, S, D] float32 pools with float16 activations: 2 x 4 = 8 slots.
+    f32 = lambda *s: mx.array(np.ones(s, np.float32))
+    out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, f32(2, 8, 4, 128), f32(2, 8, 4, 128),
+                 check_slots=False)
+    mx.eval(out)
+    print("head-major rows written:", int(mx.sum(out[2][:, 0, :, 0] != 1).item()))
 """)
 
 
@@ -76,3 +82,4 @@ def test_compute_sanitizer_out_of_range_slots(native_artifacts, tmp_path):
     assert p.returncode == 0, out[-4000:]
     assert "ERROR SUMMARY: 0 errors" in out, out[-4000:]
     assert "rows written:" in out
+    assert "head-major rows written: 4" in out

@@ -575,7 +575,7 @@ def check_abi(library: KernelLibrary, spec: Any) -> None:
     indices, element types, constness, scalar buffers and function constants (docs/kernel-abi.md)."""
     sig = spec.signature
     n_buffers = len(sig.buffers)
-    dtypes = {b.name: b.dtype for b in sig.buffers}
+    by_name = {b.name: b for b in sig.buffers}
     desc = library.describe()
     where = f"{library.source}"
     fcs = {c["index"]: c for c in desc["function_constants"]}
@@ -594,6 +594,7 @@ def check_abi(library: KernelLibrary, spec: Any) -> None:
         raise AbiMismatch(f"{where}: function constants {extra} are not specialised scalars of kernels.yaml; the "
                           f"launcher never sets them")
     for dtype, entry_name in spec.entries.items():
+        act, _, pool = dtype.partition("/")   # an entry key: '<act>' or '<act>/<pool>'
         entry = library.entry(entry_name) if any(e["name"] == entry_name for e in desc["entries"]) else None
         if entry is None:
             raise AbiMismatch(f"{where}: no entry {entry_name!r} for {dtype} (kernels.yaml entries); the source has "
@@ -605,8 +606,8 @@ def check_abi(library: KernelLibrary, spec: Any) -> None:
                     raise AbiMismatch(f"{where}: {entry_name}: [[buffer({p['index']})]] used twice")
                 bufs[p["index"]] = p
         for i, b in enumerate(sig.buffers):
-            want = dtypes.get(b.like) if b.role == "output" and b.like else b.dtype
-            want = want or dtype
+            src = by_name[b.like] if b.role == "output" and b.like else b
+            want = src.dtype or (pool or act if src.dtype_group == "pool" else act)
             p = bufs.pop(i, None)
             if p is None:
                 raise AbiMismatch(f"{where}: {entry_name}: no [[buffer({i})]] for {b.name}")
@@ -637,7 +638,7 @@ def check_abi(library: KernelLibrary, spec: Any) -> None:
 class EmulatedMetal:
     """registry._ext for the 'metal' backend, run by the emulation: `launcher()` returns a real
     registry.native.Launcher whose plans the kernel's wrapper builds exactly as on a Mac; `launch`
-    binds them as csrc/aot_launch_metal.cpp does (buffers i at [[buffer(i)]], non-specialised scalars
+    binds them as csrc/aot_launch_metal.cpp does (each buffer checked against the plan's dtype for it) (buffers i at [[buffer(i)]], non-specialised scalars
     as 4-byte buffers after them, specialised ones as function constants 0.. with their types, no
     dispatch for an empty grid). Fresh outputs start as 0xFF bytes (NaN) so unwritten elements show."""
 
@@ -658,12 +659,12 @@ class EmulatedMetal:
         return SimpleNamespace(key=key, path=path, target=target, roles=list(roles), like=list(like), dtypes=dtypes,
                                scalar_types=list(scalar_types), specialize=list(specialize))
 
-    def LaunchArgs(self, entry, scalars, grid, group, dtype=""):  # noqa: N802
+    def LaunchArgs(self, entry, scalars, grid, group, dtype="", buffer_dtypes=()):  # noqa: N802
         grid, group = tuple(grid), tuple(group)
         if any(g < 0 for g in grid) or any(g < 1 for g in group):
             raise ValueError("grid must be >= 0 and threadgroup >= 1 on every axis")
         return SimpleNamespace(entry=entry, dtype=dtype, scalars=[int(s) & 0xFFFFFFFF for s in scalars], grid=grid,
-                               group=group)
+                               group=group, buffer_dtypes=list(buffer_dtypes))
 
     def launch(self, binary, plan, inputs, stream=None):
         roles = binary.roles
@@ -672,6 +673,8 @@ class EmulatedMetal:
             raise ValueError(f"{plan.entry}: expected {n_inputs} input arrays, got {len(inputs)}")
         if len(plan.scalars) != len(binary.scalar_types):
             raise ValueError(f"{plan.entry}: expected {len(binary.scalar_types)} scalars, got {len(plan.scalars)}")
+        if len(plan.buffer_dtypes) != len(roles):
+            raise ValueError(f"{plan.entry}: expected {len(roles)} buffer dtypes, got {len(plan.buffer_dtypes)}")
         it = iter(inputs)
         host: dict[int, np.ndarray] = {}
         mx_dtypes: dict[int, Any] = {}
@@ -679,9 +682,9 @@ class EmulatedMetal:
             if role in (0, 2):
                 a = next(it)
                 # As the extension: the kernel indexes memory with its entry's element size.
-                want = binary.dtypes[b] or plan.dtype
+                want = plan.buffer_dtypes[b]
                 got = str(a.dtype).removeprefix("mlx.core.")
-                if want and got != want:
+                if got != want:
                     raise ValueError(f"[mlx_aot] {plan.entry}: buffer {b} has dtype {got}, the entry expects {want}")
                 host[b], mx_dtypes[b] = to_numpy(a), a.dtype
         for b, role in enumerate(roles):
