@@ -5,27 +5,14 @@
 // units = head_dim / vec_width. vec_width comes from the wrapper (registry/kernels/kv_pool_store.py
 // cuda_vector_width, its one source); only the widths switched on below exist, any other launches
 // nothing (tests/test_kv_pool_store.py checks the wrapper only picks these).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "aot_cuda.cuh"
 
 namespace {
 
-template <typename T> struct Cvt;
-template <> struct Cvt<__half> {
-  static __device__ __forceinline__ float load(__half x) { return __half2float(x); }
-  static __device__ __forceinline__ __half store(float x) { return __float2half_rn(x); }
-};
-template <> struct Cvt<__nv_bfloat16> {
-  static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
-};
-template <> struct Cvt<float> {
-  static __device__ __forceinline__ float load(float x) { return x; }
-  static __device__ __forceinline__ float store(float x) { return x; }
-};
-
-template <typename T, int W> struct alignas(sizeof(T) * W) Vec { T v[W]; };
+using aot_cuda::Cvt;
+using aot_cuda::Vec;
 
 struct Params {
   int n_tokens, pool_size, pool_rows, n_kv_heads, head_dim, pool_layout;

@@ -7,25 +7,13 @@
 // normalises (fp32, one rounding to T, as the model's norm returns T), rotates in fp32 and stores.
 // The grid is 1-D (n_tokens * (n_q_heads + n_kv_heads) * 32 threads), so prefill sizes never meet
 // the 65535-block limit of the other axes.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "aot_cuda.cuh"
 
 namespace {
 
-template <typename T> struct Cvt;
-template <> struct Cvt<__half> {
-  static __device__ __forceinline__ float load(__half x) { return __half2float(x); }
-  static __device__ __forceinline__ __half store(float x) { return __float2half_rn(x); }
-};
-template <> struct Cvt<__nv_bfloat16> {
-  static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
-};
-template <> struct Cvt<float> {
-  static __device__ __forceinline__ float load(float x) { return x; }
-  static __device__ __forceinline__ float store(float x) { return x; }
-};
+using aot_cuda::Cvt;
 
 struct Params {
   int n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional, pool_layout;

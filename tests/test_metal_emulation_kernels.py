@@ -6,8 +6,6 @@ emulation tests: tests/test_metal_emulation.py.)"""
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +16,7 @@ from registry.kernels.kv_pool_store import KvPoolStoreKernel
 from registry.manifest import load_manifest
 from registry.paths import PROJECT_ROOT
 from tests.metal_emu.emulator import EmulatedMetal, SanitizerError, compile_kernel, compile_source
+from tests.test_metal_emulation import mutated
 from tests.rope_cases import MX_DTYPES, to_np
 from tests.test_kv_pool_store import LAYOUTS, case, check
 
@@ -39,19 +38,6 @@ def emulated(cls, lib, name, config=None, order="shuffled", seed=0):
                  reason="emulated")
     assert kernel.implementation == "native-metal"
     return kernel
-
-
-def mutated(cache: Path, source: Path, old: str, new: str) -> Path:
-    text = source.read_text()
-    assert text.count(old) == 1, f"mutation target {old!r} not found once in {source}"
-    text = text.replace(old, new)
-    out = cache / "mutants" / hashlib.sha256(text.encode()).hexdigest()[:16] / source.name
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out)
-    return out
 
 
 # ----------------------------------------------------------------------------- kv_pool_store
@@ -81,7 +67,7 @@ def test_kv_pool_store_out_of_range_slots_never_write(kv_lib, layout):
 
 
 def test_kv_pool_store_sanitizer_catches_a_missing_bound(emu_cache):
-    lib = compile_source(mutated(emu_cache, KV_SOURCE, "slot < 0 || slot >= pool_size", "slot < 0"), emu_cache,
+    lib = compile_source(mutated(emu_cache, "slot < 0 || slot >= pool_size", "slot < 0", source=KV_SOURCE), emu_cache,
                          include_dirs=[KV_SOURCE.parent])
     args = case(2, 2, 8, (4, 2, 8), "float32", "float32", [4, 0])
     with pytest.raises(SanitizerError, match=r"WRITE of 4 bytes at byte -?\d+ of buffer\([23]\) [kv]_pool"):
@@ -137,7 +123,7 @@ def test_qk_norm_rope_sanitizer_catches_a_missing_bound(emu_cache):
     from registry.rope import RopeConfig
     from tests.test_qk_norm_rope_pool_fused import make
 
-    lib = compile_source(mutated(emu_cache, QKN_SOURCE, "slot >= 0 && slot < pool_size", "slot >= 0"), emu_cache,
+    lib = compile_source(mutated(emu_cache, "slot >= 0 && slot < pool_size", "slot >= 0", source=QKN_SOURCE), emu_cache,
                          include_dirs=[QKN_SOURCE.parent])
     args = make(2, 2, 2, 64, (4, 2, 64), "float32", [4, 0])
     with pytest.raises(SanitizerError, match=r"WRITE of 4 bytes at byte -?\d+ of buffer\([56]\) [kv]_pool"):

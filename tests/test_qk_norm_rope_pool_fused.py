@@ -99,11 +99,12 @@ def test_head_dim_512_and_unchecked_out_of_range_slots(native_artifacts):
     check(native_kernel(rope, norm)(*args, check_slots=False), args, rope, norm, "bfloat16")
 
 
-@pytest.mark.parametrize("act, pool", [("bfloat16", "float32"), ("bfloat16", "float16")])
-def test_mixed_dtypes_on_the_reference(act, pool):
+@pytest.mark.parametrize("act, pool", [(a, p) for a in MX_DTYPES for p in MX_DTYPES if a != p])
+def test_mixed_dtypes_convert_on_the_store(native_artifacts, act, pool):
     rope, norm = RopeConfig(64), NormConfig(1e-6)
-    args = make(3, 4, 2, 64, (6, 2, 64), act, [1, -1, 4], pool_dtype=pool)
+    args = make(3, 4, 2, 64, (3, 2, 2, 64), act, [1, -1, 4], pool_dtype=pool)
     check(qk_norm_rope_pool_fused_reference(*args, rope=rope, norm=norm), args, rope, norm, act)
+    check(native_kernel(rope, norm)(*args[:5], mx.array(args[5]), mx.array(args[6]), *args[7:]), args, rope, norm, act)
 
 
 @pytest.mark.parametrize("module, offset", [("nn", 0.0), ("gemma3", 1.0)])
@@ -150,7 +151,7 @@ def test_norm_probe_refuses_what_is_not_a_per_head_rmsnorm():
     (lambda a: (*a[:7], a[7][:4], a[8]), r"q_weight must be a float \[head_dim=8\] array"),
     (lambda a: (*a[:8], a[8].astype(mx.int32)), r"k_weight must be a float \[head_dim=8\] array"),
     (lambda a: (*a[:3], a[3].astype(mx.float32), *a[4:]), r"positions must be int32 \[tokens=3\]"),
-    (lambda a: (*a[:5], a[5][..., :4], a[6][..., :4], *a[7:]), r"pools 6x2x4 must hold n_kv_heads=2 rows of head_dim=8"),
+    (lambda a: (*a[:5], a[5][..., :4], a[6][..., :4], *a[7:]), r"k_pool 6x2x4: a slot-major pool must be"),
 ])
 def test_argument_errors_name_the_argument(mutate, message):
     args = mutate(make(3, 4, 2, 8, (6, 2, 8), "float32", [0, 1, 2]))
@@ -166,11 +167,11 @@ def test_checked_slots_and_positions(native_artifacts, native):
     with pytest.raises(KernelArgumentError, match=r"slots\[1\]=6 is out of range for a pool of 6 slots"):
         kernel(*args)
     args = make(3, 4, 2, 8, (6, 2, 8), "float16", [3, -1, 3])
-    with pytest.raises(KernelArgumentError, match=r"slots\[0\] and slots\[2\] are both 3"):
+    with pytest.raises(KernelArgumentError, match=r"slots\[2\]=3 repeats slots\[0\]"):
         kernel(*args)
     args = list(make(3, 4, 2, 8, (6, 2, 8), "float16", [0, 1, 2]))
     args[3] = mx.array([0, -2, 2**24 + 1], dtype=mx.int32)
-    with pytest.raises(KernelArgumentError, match=r"positions\[1\]=-2 is outside \[0, 16777216\]"):
+    with pytest.raises(KernelArgumentError, match=r"positions\[1\]=-2 is outside \[0, 2\^24 = 16777216\]"):
         kernel(*args)
     kernel(*args, check_slots=False)   # unchecked: computed as float(position) * pos_scale * inv_freq
 

@@ -14,8 +14,8 @@ It also has the pool helpers the reference paths share: the two pool layouts of 
 (slot-major [S, Hkv, D] and head-major [B, Hkv, S, D]) and a lazy, bounds-safe row store.
 
 A subclass sets NAME, ARGS (call arguments), INPUTS (the signature's inputs in launch order) and
-defines validate, reference, launch_config and launch_arrays; optionally config_from / context_for
-when it is configured by more than the backend (RoPE, norms).
+defines validate, reference, launch_config and launch_arrays; config_from / context_fields when it
+is configured by more than the backend (RoPE, norms).
 """
 
 from __future__ import annotations
@@ -41,54 +41,30 @@ def shape_str(a: Any) -> str:
     return "x".join(str(s) for s in a.shape) if hasattr(a, "shape") else type(a).__name__
 
 
-def dtype_str(d: Any) -> str:
-    return str(d).removeprefix("mlx.core.")
-
-
 # ----------------------------------------------------------------------------- pools
 
+SLOT_MAJOR, HEAD_MAJOR = 0, 1   # the kernels' pool_layout scalar
+_LAYOUTS = {3: ("slot-major", "[pool_size, n_kv_heads={H}, head_dim={D}]"),
+            4: ("head-major", "[batch, n_kv_heads={H}, rows, head_dim={D}]")}
+
+
 class PoolGeometry:
-    """A pool's layout read off its shape: slot-major [S, Hkv, D] (layout 0) or head-major
-    [B, Hkv, S, D] (layout 1, mlx-lm's KVCache). `size` = total slots (B*S), `rows` = S."""
+    """A pool's layout read off its rank: slot-major [S, Hkv, D] (slot s is row s) or head-major
+    [B, Hkv, S, D] (mlx-lm's KVCache; slot = b * S + s). `size` = total slots, `rows` = S."""
 
     __slots__ = ("layout", "size", "rows", "heads", "dim")
 
-    def __init__(self, name: str, kernel: str, pool: mx.array):
+    def __init__(self, pool: mx.array):
         if pool.ndim == 3:
-            self.layout, (self.size, self.heads, self.dim) = 0, pool.shape
+            self.layout, (self.size, self.heads, self.dim) = SLOT_MAJOR, pool.shape
             self.rows = self.size
-        elif pool.ndim == 4:
-            B, self.heads, self.rows, self.dim = pool.shape
-            self.layout, self.size = 1, B * self.rows
         else:
-            raise KernelArgumentError(f"{kernel}: {name} must be [pool_size, n_kv_heads, head_dim] (slot-major) "
-                                      f"or [batch, n_kv_heads, seq, head_dim] (head-major), got shape "
-                                      f"{shape_str(pool)}")
-        if self.size > INT32_MAX:
-            raise KernelArgumentError(f"{kernel}: {name} {shape_str(pool)} has {self.size} slots; the kernels "
-                                      f"index slots as int32 (at most {INT32_MAX})")
+            B, self.heads, self.rows, self.dim = pool.shape
+            self.layout, self.size = HEAD_MAJOR, B * self.rows
 
     @property
     def scalars(self) -> dict[str, int]:
         return dict(pool_size=self.size, pool_rows=self.rows, pool_layout=self.layout)
-
-
-def check_pools(kernel: str, k_pool, v_pool, heads: int, dim: int, act_dtype) -> PoolGeometry:
-    """Both pools: the same shape and float dtype, `heads` x `dim` rows; returns their geometry."""
-    geo = PoolGeometry("k_pool", kernel, k_pool)
-    if tuple(v_pool.shape) != tuple(k_pool.shape):
-        raise KernelArgumentError(f"{kernel}: k_pool {shape_str(k_pool)} and v_pool {shape_str(v_pool)} must "
-                                  f"have the same shape")
-    if (geo.heads, geo.dim) != (heads, dim):
-        raise KernelArgumentError(f"{kernel}: pools {shape_str(k_pool)} must hold n_kv_heads={heads} rows of "
-                                  f"head_dim={dim}")
-    for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if p.dtype not in DTYPE_NAMES:
-            raise KernelArgumentError(f"{kernel}: {name} dtype {dtype_str(p.dtype)} is not float16, bfloat16 or float32")
-    if v_pool.dtype != k_pool.dtype:
-        raise KernelArgumentError(f"{kernel}: k_pool dtype {dtype_str(k_pool.dtype)} and v_pool dtype {dtype_str(v_pool.dtype)} differ")
-    del act_dtype  # any float pool dtype serves any float activation dtype: the store converts
-    return geo
 
 
 def check_arrays(kernel: str, named: dict[str, Any]) -> None:
@@ -98,22 +74,56 @@ def check_arrays(kernel: str, named: dict[str, Any]) -> None:
 
 
 def check_activations(kernel: str, named: dict[str, mx.array]) -> None:
-    """3-D [tokens, heads, head_dim] float arrays of one dtype."""
-    first = next(iter(named))
+    """3-D [tokens, heads, head_dim] float arrays of one dtype (the first one's)."""
     for name, a in named.items():
         if a.ndim != 3:
             raise KernelArgumentError(f"{kernel}: {name} must be 3-D [tokens, heads, head_dim], got shape "
                                       f"{shape_str(a)}")
-        if a.dtype not in DTYPE_NAMES:
-            raise KernelArgumentError(f"{kernel}: {name} dtype {dtype_str(a.dtype)} is not float16, bfloat16 or float32")
-        if a.dtype != named[first].dtype:
-            raise KernelArgumentError(f"{kernel}: {name} dtype {dtype_str(a.dtype)} differs from {first} dtype "
-                                      f"{dtype_str(named[first].dtype)}; {', '.join(named)} must match")
+    first, *rest = named
+    if named[first].dtype not in DTYPE_NAMES:
+        raise KernelArgumentError(f"{kernel}: {first} dtype {named[first].dtype} is not float16, bfloat16 or float32")
+    for name in rest:
+        if named[name].dtype != named[first].dtype:
+            raise KernelArgumentError(f"{kernel}: {name} dtype {named[name].dtype} differs from {first} dtype "
+                                      f"{named[first].dtype}; {', '.join(named)} must match")
+
+
+def check_pool_ranks(kernel: str, k_pool, v_pool) -> None:
+    for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if p.ndim not in _LAYOUTS:
+            raise KernelArgumentError(
+                f"{kernel}: {name} must be a slot-major [pool_size, n_kv_heads, head_dim] (3-D) or head-major "
+                f"[batch, n_kv_heads, rows, head_dim] (4-D) pool, got shape {shape_str(p)}")
+
+
+def check_pools(kernel: str, k_pool, v_pool, heads: int, dim: int) -> PoolGeometry:
+    """Both pools: either layout, `heads` x `dim` rows, one shape, one float dtype (any of the three,
+    whatever the activations': the kernels convert on the store), at most INT32_MAX slots."""
+    check_pool_ranks(kernel, k_pool, v_pool)
+    if k_pool.dtype not in DTYPE_NAMES:
+        raise KernelArgumentError(f"{kernel}: k_pool dtype {k_pool.dtype} is not float16, bfloat16 or float32 (a "
+                                  f"pool may differ from the activations' dtype, but must be one of these)")
+    if v_pool.dtype != k_pool.dtype:
+        raise KernelArgumentError(f"{kernel}: v_pool dtype {v_pool.dtype} differs from k_pool dtype "
+                                  f"{k_pool.dtype}; the pools must match")
+    for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if p.shape[1] != heads or p.shape[-1] != dim:
+            layout, want = _LAYOUTS[p.ndim]
+            raise KernelArgumentError(f"{kernel}: {name} {shape_str(p)}: a {layout} pool must be "
+                                      + want.format(H=heads, D=dim))
+    if k_pool.shape != v_pool.shape:
+        raise KernelArgumentError(f"{kernel}: k_pool {shape_str(k_pool)} and v_pool {shape_str(v_pool)} must "
+                                  f"have the same shape")
+    geo = PoolGeometry(k_pool)
+    if geo.size > INT32_MAX:
+        raise KernelArgumentError(f"{kernel}: k_pool {shape_str(k_pool)} holds {geo.size} slots, more than "
+                                  f"INT32_MAX = {INT32_MAX}: slots and the kernel's pool_size are int32")
+    return geo
 
 
 def check_index(kernel: str, name: str, a: mx.array, tokens: int) -> None:
     if a.dtype != mx.int32 or tuple(a.shape) != (tokens,):
-        raise KernelArgumentError(f"{kernel}: {name} must be int32 [tokens={tokens}], got {dtype_str(a.dtype)} {shape_str(a)}")
+        raise KernelArgumentError(f"{kernel}: {name} must be int32 [tokens={tokens}], got {a.dtype} {shape_str(a)}")
 
 
 def pool_dtype_key(act: mx.Dtype, pool: mx.Dtype) -> str:
@@ -123,56 +133,60 @@ def pool_dtype_key(act: mx.Dtype, pool: mx.Dtype) -> str:
 
 
 def store_rows(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
-    """`pool` with row slot[t] = rows[t] (converted to the pool's dtype) where 0 <= slot < pool size,
-    either layout, lazily (no host sync). Rows that must not be written are redirected to repeat a
-    valid token's write (the same value, so the repeated index cannot conflict); with no valid token
-    at all, slot 0 gets its own value."""
-    geo = PoolGeometry("pool", "store", pool)
-    if slots.size == 0 or geo.size == 0:
+    """`pool` with slot slots[t] = rows[t] [Hkv, D] (converted to the pool's dtype) where slots[t] is in
+    range, lazily (no host sync), either layout: one scatter of head rows into the pool seen as
+    [rows, D], with 64-bit row indices. Tokens that must not be written repeat a valid token's write
+    (the same value, so the repeated index cannot conflict); with no valid token, row indices of
+    slot 0 get their own values."""
+    geo = PoolGeometry(pool)
+    if slots.size == 0 or geo.size == 0 or geo.heads == 0:
         return mx.array(pool)
-    flat = pool if geo.layout == 0 else pool.transpose(0, 2, 1, 3).reshape(geo.size, geo.heads, geo.dim)
-    rows = rows.astype(pool.dtype)
     valid = (slots >= 0) & (slots < geo.size)
     j = mx.argmax(valid)
     any_valid = valid[j]
-    idx = mx.where(valid, slots, mx.where(any_valid, slots[j], 0))
-    vals = mx.where(valid[:, None, None], rows, mx.where(any_valid, rows[j], flat[0])[None])
-    out = mx.array(flat)  # a new array object: the caller's pool object is left as it was
-    out[idx] = vals
-    if geo.layout == 1:
-        B = pool.shape[0]
-        out = out.reshape(B, geo.rows, geo.heads, geo.dim).transpose(0, 2, 1, 3)
-    return out
+    idx = mx.where(valid, slots, mx.where(any_valid, slots[j], 0)).astype(mx.int64)
+    h = mx.arange(geo.heads, dtype=mx.int64)[None]
+    if geo.layout == SLOT_MAJOR:
+        flat_rows = idx[:, None] * geo.heads + h
+    else:
+        flat_rows = ((idx // geo.rows)[:, None] * geo.heads + h) * geo.rows + (idx % geo.rows)[:, None]
+    out = pool.reshape(-1, geo.dim)  # a new array object: the caller's pool object is left as it was
+    fallback = mx.where(any_valid, rows[j].astype(pool.dtype)[None], out[flat_rows])
+    vals = mx.where(valid[:, None, None], rows.astype(pool.dtype), fallback)
+    out[flat_rows.reshape(-1)] = vals.reshape(-1, geo.dim)
+    return out.reshape(pool.shape)
 
 
 def check_slot_values(kernel: str, slots: mx.array, pool_size: int, positions: mx.array | None = None) -> None:
-    """check_slots=True: slots < pool_size, no valid slot twice, and (with positions) positions in
-    [0, 2^24]; one host sync for all of it. The kernels never write out of range regardless."""
+    """check_slots=True: slots < pool_size, no valid slot twice, and (given positions) positions in
+    [0, 2^24], in one host sync. Engines call it once per step and pass check_slots=False to every
+    layer; the kernels never write out of range regardless."""
     if slots.size == 0:
         return
-    T = slots.shape[0]
     valid = (slots >= 0) & (slots < pool_size)
-    order = mx.argsort(mx.where(valid, slots, -1 - mx.arange(T, dtype=mx.int32)))
-    s_sorted = slots[order]
-    dup = mx.concatenate([mx.array([False]), (s_sorted[1:] == s_sorted[:-1]) & valid[order][1:]])
-    checks = [mx.any(slots >= pool_size), mx.argmax(slots >= pool_size), mx.any(dup), mx.argmax(dup)]
+    # Invalid slots become distinct negatives, so only valid repeats sort next to each other.
+    keys = mx.sort(mx.where(valid, slots, -1 - mx.arange(slots.size, dtype=mx.int32)))
+    checks = [mx.max(slots) >= pool_size, mx.any(keys[1:] == keys[:-1])]
     if positions is not None:
-        bad_pos = (positions < 0) | (positions > MAX_POSITION)
-        checks += [mx.any(bad_pos), mx.argmax(bad_pos)]
-    checks = mx.stack([c.astype(mx.int32) for c in checks]).tolist()  # the one host sync
-    if checks[0]:
-        t = checks[1]
+        checks += [mx.min(positions) < 0, mx.max(positions) > MAX_POSITION]
+    out_of_range, repeated, *bad_positions = mx.stack(checks).tolist()   # the one host sync
+    if out_of_range:
+        t = int(mx.argmax(slots >= pool_size).item())
         raise KernelArgumentError(f"{kernel}: slots[{t}]={int(slots[t].item())} is out of range for a pool of "
                                   f"{pool_size} slots (valid: 0..{pool_size - 1}, or < 0 to skip the write)")
-    if checks[2]:
-        s = int(s_sorted[checks[3]].item())
-        first, second = [i for i, x in enumerate(slots.tolist()) if x == s][:2]
-        raise KernelArgumentError(f"{kernel}: slots[{first}] and slots[{second}] are both {s}; one call may write "
-                                  f"each pool slot once")
-    if positions is not None and checks[4]:
-        t = checks[5]
-        raise KernelArgumentError(f"{kernel}: positions[{t}]={int(positions[t].item())} is outside "
-                                  f"[0, {MAX_POSITION}] (fp32 angles are meaningless beyond 2^24)")
+    if repeated:
+        first: dict[int, int] = {}
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0 and slot in first:
+                raise KernelArgumentError(f"{kernel}: slots[{t}]={slot} repeats slots[{first[slot]}]: a slot may be "
+                                          f"written once per call (unchecked, which token's row lands is unspecified)")
+            first.setdefault(slot, t)
+    if any(bad_positions):
+        p = positions.tolist()
+        t = next(i for i, x in enumerate(p) if not 0 <= x <= MAX_POSITION)
+        raise KernelArgumentError(f"{kernel}: positions[{t}]={p[t]} is outside [0, 2^24 = {MAX_POSITION}]: fp32 "
+                                  f"RoPE angles are meaningless beyond (unchecked, every path computes "
+                                  f"float(position) * pos_scale * inv_freq all the same)")
 
 
 # ----------------------------------------------------------------------------- the kernel object
@@ -230,10 +244,16 @@ class PoolKernel:
         return None
 
     @classmethod
+    def context_fields(cls, config: Any) -> dict[str, Any]:
+        """The SelectionContext fields that carry `config` (the inverse of config_from)."""
+        return {}
+
+    @classmethod
     def context_for(cls, config: Any, backend: str) -> SelectionContext:
-        """A synthetic selection context for the functional entry."""
-        return SelectionContext(attention="mha", rope=None, rope_error="", n_heads=0, n_kv_heads=0, head_dim=0,
-                                dtype=None, backend=backend, device=None)
+        """A synthetic selection context for the functional entry (and tests, benchmarks)."""
+        fields = dict(attention="mha", rope=None, rope_error="", n_heads=0, n_kv_heads=0, head_dim=0, dtype=None,
+                      backend=backend, device=None)
+        return SelectionContext(**{**fields, **cls.context_fields(config)})
 
     # -- shared
     @property
@@ -266,7 +286,7 @@ class PoolKernel:
                 self._plans.clear()
             self._plans[key] = plan
         if check_slots:
-            pool = PoolGeometry(self.POOL, self.NAME, args[self._pool_arg])
+            pool = PoolGeometry(args[self._pool_arg])
             check_slot_values(self.NAME, args[self._slot_arg], pool.size,
                               None if self._pos_arg is None else args[self._pos_arg])
         if plan is _REFERENCE:

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..errors import KernelArgumentError
 from ..rope import RopeConfig, UnsupportedRope, normalize_rope
-from ._base import PoolGeometry, check_activations, check_arrays, check_index, check_pools, shape_str
+from ._base import PoolGeometry, check_activations, check_arrays, check_index, check_pool_ranks, check_pools, shape_str
 
 
 def rope_config(kernel: str, rope: Any) -> RopeConfig:
@@ -26,6 +26,7 @@ def check_rope_args(kernel: str, q, k, v, positions, slots, k_pool, v_pool, rope
     rope.rotary_dims, int32 positions and slots [T], pools of either layout; returns the pools' geometry."""
     check_arrays(kernel, dict(q=q, k=k, v=v, positions=positions, slots=slots, k_pool=k_pool, v_pool=v_pool))
     check_activations(kernel, dict(q=q, k=k, v=v))
+    check_pool_ranks(kernel, k_pool, v_pool)
     T, Hq, D = q.shape
     if k.shape != v.shape:
         raise KernelArgumentError(f"{kernel}: k {shape_str(k)} and v {shape_str(v)} must have the same shape")
@@ -41,7 +42,7 @@ def check_rope_args(kernel: str, q, k, v, positions, slots, k_pool, v_pool, rope
         check_index(kernel, name, a, T)
     if rope.rotary_dims > D:
         raise KernelArgumentError(f"{kernel}: rope.rotary_dims={rope.rotary_dims} exceeds head_dim={D}")
-    return check_pools(kernel, k_pool, v_pool, Hkv, D, q.dtype)
+    return check_pools(kernel, k_pool, v_pool, Hkv, D)
 
 
 def rope_scalars(rope: RopeConfig) -> dict[str, Any]:
@@ -50,18 +51,26 @@ def rope_scalars(rope: RopeConfig) -> dict[str, Any]:
 
 
 def rotate(x: mx.array, positions: mx.array, rope: RopeConfig) -> mx.array:
-    """x [T, H, D] -> rotated, fp32 math, rounded once to x.dtype; the features past rotary_dims pass."""
-    r = rope.rotary_dims
+    """x [T, H, D] -> rotated, fp32 math, rounded once to x.dtype; the features past rotary_dims pass
+    through exactly. The angles are the kernels' own (docs/kernel-abi.md): float32(position) *
+    pos_scale * inv_freq[i] in fp32 with the float32 inv_freq the kernels get, so every path agrees
+    at any int32 position, negative ones included."""
+    r, half = rope.rotary_dims, rope.rotary_dims // 2
     x32 = x.astype(mx.float32)
-    if rope.mscale != 1.0:
-        x32 = mx.concatenate([x32[..., :r] * rope.mscale, x32[..., r:]], axis=-1)
-    # One batch element per token so each token gets its own offset (mx.fast.rope takes a [B] offset).
-    kw = dict(base=rope.base) if rope.periods is None else dict(base=None, freqs=periods(rope))
-    out = mx.fast.rope(x32[:, :, None, :], r, traditional=rope.traditional, scale=rope.pos_scale,
-                       offset=positions, **kw)
-    return out[:, :, 0, :].astype(x.dtype)
+    angle = (positions.astype(mx.float32) * rope.pos_scale)[:, None] * inv_freq(rope)[None]   # [T, r/2]
+    c, s = mx.cos(angle)[:, None, :], mx.sin(angle)[:, None, :]
+    if rope.traditional:
+        x1, x2 = x32[..., 0:r:2] * rope.mscale, x32[..., 1:r:2] * rope.mscale
+        rot = mx.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).reshape(*x.shape[:-1], r)
+    else:
+        x1, x2 = x32[..., :half] * rope.mscale, x32[..., half:r] * rope.mscale
+        rot = mx.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+    if r < x.shape[-1]:
+        rot = mx.concatenate([rot, x32[..., r:]], axis=-1)
+    return rot.astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=64)
-def periods(rope: RopeConfig) -> mx.array:
-    return mx.array(rope.periods_array())
+def inv_freq(rope: RopeConfig) -> mx.array:
+    """The float32 frequency table the kernels take (buffer inv_freq)."""
+    return mx.array(rope.inv_freq())

@@ -41,14 +41,14 @@ class KvPoolStoreKernel(PoolKernel):
             raise KernelArgumentError(f"kv_pool_store: k {shape_str(k)} and v {shape_str(v)} must have the same shape")
         T, Hkv, D = k.shape
         check_index(KERNEL_NAME, "slots", slots, T)
-        check_pools(KERNEL_NAME, k_pool, v_pool, Hkv, D, k.dtype)
+        check_pools(KERNEL_NAME, k_pool, v_pool, Hkv, D)
 
     def reference(self, k, v, slots, k_pool, v_pool):
         return store_rows(k_pool, slots, k), store_rows(v_pool, slots, v)
 
     def launch_config(self, k, v, slots, k_pool, v_pool):
         T, Hkv, D = k.shape
-        pool = PoolGeometry("k_pool", KERNEL_NAME, k_pool)
+        pool = PoolGeometry(k_pool)
         width = cuda_vector_width(D, k.dtype.size, k_pool.dtype.size) if self.backend == "cuda" else 1
         scalars = dict(n_tokens=T, n_kv_heads=Hkv, head_dim=D, vec_width=width, **pool.scalars)
         if self.backend == "cuda":        # one thread per vector of a row, rows token-major

@@ -21,7 +21,7 @@ from ..errors import KernelArgumentError
 from ..norm import NormConfig
 from ..rope import RopeConfig
 from ._base import PoolGeometry, PoolKernel, check_arrays, pool_dtype_key, shape_str, store_rows
-from ._rope import check_rope_args, rope_config, rope_scalars, rotate
+from ._rope import check_rope_args, inv_freq, rope_config, rope_scalars, rotate
 
 KERNEL_NAME = "qk_norm_rope_pool_fused"
 ROWS_PER_GROUP = 8    # rows (one head of one token) per threadgroup; the Metal source's partial[256] = 8 x 32
@@ -42,17 +42,15 @@ class QkNormRopePoolFusedKernel(PoolKernel):
     def __init__(self, config: tuple[RopeConfig, NormConfig], **kw):
         super().__init__(config, **kw)
         self.rope, self.norm = config
-        self._inv_freq = mx.array(self.rope.inv_freq())
+        self._inv_freq = inv_freq(self.rope)
 
     @classmethod
     def config_from(cls, ctx: SelectionContext):
         return ctx.rope, ctx.qk_norm
 
     @classmethod
-    def context_for(cls, config, backend: str) -> SelectionContext:
-        rope, norm = config
-        return SelectionContext(attention="mha", rope=rope, rope_error="", n_heads=0, n_kv_heads=0, head_dim=0,
-                                dtype=None, backend=backend, qk_norm=norm, qk_norm_error="")
+    def context_fields(cls, config) -> dict:
+        return dict(rope=config[0], qk_norm=config[1], qk_norm_error="")
 
     def validate(self, q, k, v, positions, slots, k_pool, v_pool, q_weight, k_weight) -> None:
         check_rope_args(KERNEL_NAME, q, k, v, positions, slots, k_pool, v_pool, self.rope)
@@ -79,7 +77,7 @@ class QkNormRopePoolFusedKernel(PoolKernel):
         rows = T * (Hq + Hkv)
         scalars = dict(n_tokens=T, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D, eps=self.norm.eps,
                        weight_offset=self.norm.weight_offset, **rope_scalars(self.rope),
-                       **PoolGeometry("k_pool", KERNEL_NAME, k_pool).scalars)
+                       **PoolGeometry(k_pool).scalars)
         if self.backend == "cuda":        # one warp per row, 1-D
             grid, group = (rows * 32, 1, 1), (32 * ROWS_PER_GROUP, 1, 1)
         elif self.backend == "metal":     # 32 threads per row along x, rows along y
