@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
 import pytest
 
 from registry.kernels.kv_pool_store import KvPoolStoreKernel
@@ -17,7 +15,7 @@ from registry.manifest import load_manifest
 from registry.paths import PROJECT_ROOT
 from tests.metal_emu.emulator import EmulatedMetal, SanitizerError, compile_kernel, compile_source
 from tests.test_metal_emulation import mutated
-from tests.rope_cases import MX_DTYPES, to_np
+from tests.rope_cases import MX_DTYPES
 from tests.test_kv_pool_store import LAYOUTS, case, check
 
 MANIFEST = load_manifest()
