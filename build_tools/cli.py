@@ -2,8 +2,9 @@
 
 A thin layer over build_tools.compiler; importing this module is cheap (click only) so other
 helpers can add subcommands: registry, MLX and the compilers load inside the commands that need them.
-Exit codes: 0 ok; 1 a build failed or the manifest is invalid; 2 a bad argument, an unusable output
-directory, or an explicitly requested target without its toolchain (the message says the fix)."""
+Exit codes: 0 ok; 1 a build failed, the manifest is invalid, or `clean` refused a path; 2 a bad
+argument, an unusable output directory, or an explicitly requested target without its toolchain
+(the message says the fix)."""
 
 from __future__ import annotations
 
@@ -166,6 +167,8 @@ def list_cmd(out_dir, only, as_json, manifest) -> None:
     from .compiler import artifact_states
 
     m = _load(manifest)
+    if any(not o.replace(",", " ").split() for o in only):
+        _fail("--only: an empty value; give kernel names, or leave the option out", 2)
     dirs = [out_dir] if out_dir else artifact_dirs()
     try:
         states = artifact_states(m, dirs, list(only) or None)
@@ -196,13 +199,25 @@ def clean(out_dir, only, manifest) -> None:
     from .locking import LockTimeoutError
 
     names = [k.name for k in _load(manifest).kernels]
+    if any(not o.replace(",", " ").split() for o in only):
+        _fail("--only: an empty value; give kernel names, or leave the option out", 2)
     only = [n for o in only for n in o.replace(",", " ").split()]
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        _fail(f"--only: unknown kernel(s) {', '.join(map(repr, unknown))}; declared: {', '.join(names)}", 2)
+    refused_any = False
     for d in ([out_dir] if out_dir else artifact_dirs()):
         try:
-            removed = clean_artifacts(d, names, only or None)
-        except (LockTimeoutError, OSError) as e:
+            removed, refused = clean_artifacts(d, names, only or None)
+        except (LockTimeoutError, OSError, ValueError) as e:
             _fail(str(e), 1)
-        click.echo(f"cleaned {d}: {len(removed)} path(s) removed" + (f" ({', '.join(only)})" if only else ""))
+        for r in refused:
+            _err(f"refused to remove {r}")
+        refused_any = refused_any or bool(refused)
+        click.echo(f"cleaned {d}: {len(removed)} path(s) removed" + (f" ({', '.join(only)})" if only else "")
+                   + (f", {len(refused)} refused" if refused else ""))
+    if refused_any:
+        sys.exit(1)
 
 
 @cli.command()
@@ -220,7 +235,8 @@ def doctor(manifest) -> None:
         m = load_manifest(manifest)
     except ManifestError as e:
         m = None
-        click.echo(f"[warn]    manifest: {len(e.problems)} problem(s); see `python -m build_tools validate`")
+        click.echo(f"[error]   manifest: {len(e.problems)} problem(s), first: {e.problems[0]}\n"
+                   f"          fix it; `python -m build_tools validate` lists them all")
     missing = 0
     for target in ("metal", "cuda", "cpu"):
         tc = toolchains.find(target)
@@ -247,6 +263,8 @@ def doctor(manifest) -> None:
                    f"(Linux CUDA: pip install --no-build-isolation -e '.[cuda13]'; macOS: pip install -e .)")
     click.echo(f"{missing} toolchain(s) missing; `compile --target auto` builds the rest" if missing
                else "all toolchains present")
+    if m is None:
+        sys.exit(1)   # a missing toolchain is normal (auto skips it); an unreadable manifest is not
 
 
 def _doctor_cuda_archs(m, toolchains) -> None:

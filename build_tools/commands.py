@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from registry.artifacts import artifact_file
 from registry.manifest import KernelSpec
 
 from .toolchains import Toolchain
@@ -62,8 +63,7 @@ class Unit:
         return Path(self.spec.name) / self.target
 
     def file_name(self, key: str) -> str:
-        arch = f".{self.arch}" if self.arch else ""
-        return f"{self.spec.name}.{key[:16]}{arch}.{self.kind}"
+        return artifact_file(self.spec.name, self.target, self.arch, key).rsplit("/", 1)[1]
 
     def file_pattern(self) -> re.Pattern:
         """Any artifact file of this unit, whatever its key (to prune superseded and orphaned ones)."""

@@ -15,6 +15,7 @@ A process killed at any step leaves a temp dir or an unindexed file: nothing the
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -28,8 +29,8 @@ from typing import Callable, Iterable
 
 from registry import envs
 from registry._version import __version__
-from registry.artifacts import (IndexEntry, build_key, default_output_dir, dependency_files, parse_cuda_arch,
-                                read_index, sha256_file, source_inputs, write_index)
+from registry.artifacts import (IndexEntry, build_key, check_entry, default_output_dir, dependency_files,
+                                parse_cuda_arch, read_index, sha256_file, source_inputs, write_index)
 from registry.manifest import TARGETS, Manifest, load_manifest
 
 from . import symbols, toolchains
@@ -38,6 +39,7 @@ from .locking import LockTimeoutError, file_lock
 
 Log = Callable[[str], None]
 INDEX_LOCK = ".lock"
+_TAG = re.compile(r"^[a-z_][a-z0-9_]*\.(cpu|cuda|metal)\.[a-z0-9_]+$")   # Unit.tag
 UNIT_LOCKS = ".locks"
 TMP_PREFIX = ".tmp-"
 
@@ -114,10 +116,13 @@ def _split(values: str | Iterable[str] | None) -> list[str]:
     return out
 
 
-def resolve_targets(requested: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+def resolve_targets(requested: Iterable[str], *, dry_run: bool = False) -> tuple[list[str], dict[str, str]]:
     """Targets to build and, for `auto`, what was skipped and why. A target named explicitly (or via
-    `all`) whose toolchain is missing raises MissingToolchainError carrying the fix."""
-    requested = _split(requested) or ["auto"]
+    `all`) whose toolchain is missing raises MissingToolchainError carrying the fix, except in a dry
+    run, which plans its commands anyway (what a Linux user or CI wants to see of Metal)."""
+    requested = _split(requested)
+    if not requested:
+        raise ValueError(f"targets: empty; choose from auto, all, {', '.join(TARGETS)}")
     for t in requested:
         if t not in ("auto", "all", *TARGETS):
             raise ValueError(f"targets: unknown target {t!r}; choose from auto, all, {', '.join(TARGETS)}")
@@ -126,7 +131,7 @@ def resolve_targets(requested: Iterable[str]) -> tuple[list[str], dict[str, str]
     missing = []
     for t in explicit:
         tc = toolchains.find(t)
-        if tc.available:
+        if tc.available or dry_run:
             chosen.append(t)
         else:
             missing.append(f"target {t}: {tc.detail}\n  fix: {tc.fix}")
@@ -243,12 +248,12 @@ def _check_output(unit: Unit, path: Path, cmd: list[str]) -> None:
         raise BuildError(unit.label, cmd, f"the cubin targets sm_{sm}, not {unit.arch}", _sources(unit))
 
 
-def _fresh(unit: Unit, out: Path, key: str) -> IndexEntry | None:
+def _fresh(unit: Unit, out: Path, key: str, inputs) -> IndexEntry | None:
+    """The index entry if it has this key and passes every check the registry makes."""
     entry = read_index(out)[0].get(unit.slot)
     if entry is None or entry.key != key:
         return None
-    path = out / entry.file
-    return entry if path.is_file() and sha256_file(path) == entry.sha256 else None
+    return entry if check_entry(out, entry, inputs, unit.spec) is None else None
 
 
 def _remove_leftovers(unit: Unit, out: Path) -> None:
@@ -271,6 +276,13 @@ def build_unit(unit: Unit, opts: _Options) -> UnitResult:
     start = time.monotonic()
     out = opts.out
     tc = toolchains.find(unit.target)
+    if opts.dry_run and not tc.available:   # plan with the usual command names; nothing is run
+        res = UnitResult(unit.spec.name, unit.target, unit.arch, "planned",
+                         message=f"not buildable here ({tc.detail}); the commands a machine with the toolchain runs",
+                         commands=recipe(unit, out / f"{TMP_PREFIX}{unit.tag}-dry-run",
+                                         toolchains.planned(unit.target)).commands)
+        res.seconds = time.monotonic() - start
+        return res
     inputs = source_inputs(unit.spec, unit.target)
     try:
         key_cmds = key_commands(unit, tc)
@@ -283,7 +295,7 @@ def build_unit(unit: Unit, opts: _Options) -> UnitResult:
         res.status, res.path, res.seconds = status, str(path) if path else None, time.monotonic() - start
         return res
 
-    entry = None if opts.force else _fresh(unit, out, key)
+    entry = None if opts.force else _fresh(unit, out, key, inputs)
     if entry is not None:
         return done("fresh", out / entry.file)
     if opts.dry_run:
@@ -291,7 +303,7 @@ def build_unit(unit: Unit, opts: _Options) -> UnitResult:
         return done("planned", None)
 
     with file_lock(out / UNIT_LOCKS / f"{unit.tag}.lock", opts.timeout):
-        entry = None if opts.force else _fresh(unit, out, key)
+        entry = None if opts.force else _fresh(unit, out, key, inputs)
         if entry is not None:   # another process built it while we waited for the lock
             return done("fresh", out / entry.file)
         _remove_leftovers(unit, out)
@@ -307,10 +319,14 @@ def build_unit(unit: Unit, opts: _Options) -> UnitResult:
                 raise BuildError(unit.label, None, "the sources changed while compiling; run compile again",
                                  _sources(unit))
             final = out / unit.rel_dir() / unit.file_name(key)
+            if not _inside(out, final.parent):   # never write (or prune) through a symlink
+                raise BuildError(unit.label, None, f"refused: {out / unit.rel_dir()} is or passes through a "
+                                                   f"symlink; remove it", _sources(unit))
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(r.output, final)
             new = IndexEntry(kernel=unit.spec.name, target=unit.target, arch=unit.arch,
-                             file=(unit.rel_dir() / final.name).as_posix(), sha256=sha256_file(final), key=key,
+                             file=(unit.rel_dir() / final.name).as_posix(), sha256=sha256_file(final),
+                             size=final.stat().st_size, key=key,
                              source_digest=inputs.digest, entries=dict(unit.spec.entries), compiler=tc.identity,
                              commands=key_cmds, inputs=dict(inputs.files), package_version=__version__)
             with file_lock(out / INDEX_LOCK, opts.timeout):
@@ -350,7 +366,14 @@ def compile_kernels(targets: str | Iterable[str] = ("auto",), out_dir: str | Pat
             parse_cuda_arch(a)
         except ValueError as e:
             raise ValueError(f"archs: {e}") from None
-    chosen, skipped = resolve_targets(targets)
+    chosen, skipped = resolve_targets(targets, dry_run=dry_run)
+    for what, value in (("only", only), ("archs", archs)):
+        items = [value] if isinstance(value, str) else list(value or ())
+        if any(not _split(str(v)) for v in items):
+            raise ValueError(f"{what}: an empty value; give names, or leave the option out")
+    if arch_list and "cuda" not in chosen and "cuda" not in skipped:
+        raise ValueError(f"archs: --arch sets CUDA archs, but no cuda target is built (targets: "
+                         f"{', '.join(chosen) or 'none'}); add --target cuda or drop --arch")
     units, plan_skipped = plan(m, chosen, _split(only) or None, arch_list or None)
     skipped.update(plan_skipped)
     out = Path(out_dir) if out_dir is not None else default_output_dir()
@@ -359,6 +382,7 @@ def compile_kernels(targets: str | Iterable[str] = ("auto",), out_dir: str | Pat
         out.mkdir(parents=True, exist_ok=True)
         if not os.access(out, os.W_OK):
             raise PermissionError(f"output directory {out} is not writable; pass --out DIR or set MLX_AOT_CACHE_DIR")
+        sweep_leftovers(out, log if verbose else None)
     opts = _Options(out, force, dry_run, verbose, log, lock_timeout())
     n, finished, counter = len(units), [0], threading.Lock()
 
@@ -376,6 +400,8 @@ def compile_kernels(targets: str | Iterable[str] = ("auto",), out_dir: str | Pat
             if r.status == "failed":
                 log(r.message)
             if dry_run:
+                if r.message:
+                    log(f"  {r.message}")
                 for cmd in r.commands:
                     log(f"  $ {shlex.join(cmd)}")
         return r
@@ -405,7 +431,7 @@ class ArtifactState:
 def artifact_states(manifest: Manifest, dirs: list[Path], only: list[str] | None = None) -> list[ArtifactState]:
     """The state of every unit the manifest declares (cuda: its archs and ptx_arch) plus any other
     indexed arch, searched in `dirs` in order like the registry does. Needs no toolchain."""
-    from registry.artifacts import check_entry, fix_command
+    from registry.artifacts import fix_command
 
     units, _ = plan(manifest, list(TARGETS), _split(only) or None)
     indexes = [(d, read_index(d)) for d in dirs]
@@ -427,7 +453,7 @@ def artifact_states(manifest: Manifest, dirs: list[Path], only: list[str] | None
             entry = index.get((name, target, arch))
             if entry is None:
                 continue
-            reason = check_entry(d, entry, current)
+            reason = check_entry(d, entry, current, spec)
             if reason is None:
                 state = ArtifactState(name, target, arch, "fresh", str(d / entry.file), "")
                 break
@@ -440,37 +466,98 @@ def artifact_states(manifest: Manifest, dirs: list[Path], only: list[str] | None
     return out
 
 
-def clean_artifacts(out: Path, kernel_names: Iterable[str], only: list[str] | None = None) -> list[str]:
+def _inside(out: Path, p: Path) -> bool:
+    """`p` is an entry directly or deeper inside `out`, reached without a symlink (so removing it
+    removes nothing outside)."""
+    try:
+        rel = p.relative_to(out)
+    except ValueError:
+        return False
+    cur = out
+    for part in rel.parts:
+        if part in ("", ".", ".."):
+            return False
+        cur = cur / part
+        if cur.is_symlink():
+            return False
+    return True
+
+
+def _remove_dir(out: Path, p: Path, removed: list[str], refused: list[str]) -> None:
+    if not (p.exists() or p.is_symlink()):
+        return
+    if not _inside(out, p) or not p.is_dir():
+        refused.append(f"{p} (a symlink, not a directory, or outside {out})")
+        return
+    shutil.rmtree(p)
+    removed.append(str(p))
+
+
+def clean_artifacts(out: Path, kernel_names: Iterable[str],
+                    only: list[str] | None = None) -> tuple[list[str], list[str]]:
     """Remove artifacts from `out`: the index (or the kernels' index entries) first, so nothing
-    half-removed is ever loaded, then the kernels' folders and leftover temp dirs. Only paths this
-    pipeline creates are touched, and only under the locks of the builds they belong to (lock files
-    themselves stay: deleting a lock file someone waits on would let two processes "hold" it)."""
+    half-removed is ever loaded, then the kernels' folders and leftover temp dirs. (removed, refused).
+
+    Only paths this pipeline creates are touched: folders named after kernels (identifiers: `only`
+    must name kernels of the manifest; index names are checked identifiers), directly inside `out`
+    and not symlinks; anything else is refused and named. Removal happens under the locks of the
+    builds the paths belong to (lock files stay: deleting one that someone waits on would let two
+    processes "hold" it)."""
     from contextlib import ExitStack
 
     from registry.artifacts import INDEX_NAME
 
+    kernel_names = list(kernel_names)
+    if only:
+        unknown = [n for n in only if n not in kernel_names]
+        if unknown:
+            raise ValueError(f"only: unknown kernel(s) {', '.join(map(repr, unknown))}; declared: "
+                             f"{', '.join(kernel_names) or '(none)'}")
     removed: list[str] = []
+    refused: list[str] = []
     if not out.is_dir():
-        return removed
+        return removed, refused
     timeout = lock_timeout()
     with file_lock(out / INDEX_LOCK, timeout):
-        index, _ = read_index(out)
+        index, _ = read_index(out)   # its kernel names are checked identifiers
         names = list(only) if only else sorted({s[0] for s in index} | set(kernel_names))
-        if only:
-            if (out / INDEX_NAME).is_file():
+        index_path = out / INDEX_NAME
+        if index_path.is_symlink() or (index_path.exists() and not index_path.is_file()):
+            refused.append(f"{index_path} (not a regular file)")
+        elif only:
+            if index_path.is_file():
                 write_index(out, {s: e for s, e in index.items() if s[0] not in only})
-        elif (out / INDEX_NAME).is_file():
-            (out / INDEX_NAME).unlink()
-            removed.append(str(out / INDEX_NAME))
+        elif index_path.is_file():
+            index_path.unlink()
+            removed.append(str(index_path))
         for name in names:
             with ExitStack() as stack:
                 for lock in sorted((out / UNIT_LOCKS).glob(f"{name}.*.lock")):
                     stack.enter_context(file_lock(lock, timeout))
                 for p in [out / name, *out.glob(f"{TMP_PREFIX}{name}.*")]:
-                    if p.is_dir():
-                        shutil.rmtree(p)
-                        removed.append(str(p))
+                    _remove_dir(out, p, removed, refused)
         if not only:
             for p in out.glob(".index.*.tmp"):
-                p.unlink(missing_ok=True)
-    return removed
+                if p.is_file() and not p.is_symlink():
+                    p.unlink(missing_ok=True)
+    return removed, refused
+
+
+def sweep_leftovers(out: Path, log: Log | None = None) -> list[str]:
+    """Temp dirs of killed builds of any unit (a `kill -9` during a --force rebuild leaves one even
+    when the unit is fresh afterwards). A unit's temp dirs are only ever created under its lock, so
+    those of a unit whose lock is free right now belong to dead builds."""
+    swept = []
+    for p in sorted(out.glob(f"{TMP_PREFIX}*")):
+        tag = p.name[len(TMP_PREFIX):].rsplit("-", 1)[0]
+        if not _TAG.match(tag) or p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            with file_lock(out / UNIT_LOCKS / f"{tag}.lock", 0):
+                shutil.rmtree(p, ignore_errors=True)
+        except LockTimeoutError:
+            continue   # a live build's
+        swept.append(str(p))
+        if log:
+            log(f"removed {p} (left by a killed build)")
+    return swept

@@ -139,6 +139,16 @@ def cxx() -> Toolchain:
 FINDERS = {"metal": metal, "cuda": nvcc, "cpu": cxx}
 
 
+def planned(target: str) -> Toolchain:
+    """The found toolchain, else one with the usual command names (xcrun -sdk macosx, nvcc, c++) for
+    printing a dry run's commands on a machine without it; never run."""
+    tc = find(target)
+    if tc.available:
+        return tc
+    command = {"metal": XCRUN, "cuda": ("nvcc",), "cpu": ("c++",)}[target]
+    return Toolchain(target, False, "", command, tc.detail, tc.fix)
+
+
 def find(target: str) -> Toolchain:
     return FINDERS[target]()
 

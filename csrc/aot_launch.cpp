@@ -2,7 +2,13 @@
 #include "aot_launch.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -47,59 +53,6 @@ bool AotLaunch::is_equivalent(const mx::Primitive& other) const {
          args_.scalars == o.args_.scalars && args_.grid == o.args_.grid && args_.group == o.args_.group;
 }
 
-// ----------------------------------------------------------------------------- pool lineage
-
-namespace {
-
-// Every buffer this launcher has aliased, mapped to the array that was its in-place input the last
-// time. Between two launches on one pool, that previous input may still be alive: the caller may
-// hold it (the documented contract: it shares storage with the returned pool) and MLX keeps a
-// launch's inputs until its work has run. Holding it here too makes that owner permanent, so the
-// buffer's owner count is predictable: the pool + its previous input, + 1 per view. An entry whose
-// pool its user dropped (the entry is the last owner) is released at the next launch.
-// Intentionally leaked: at process exit its arrays must not be freed after MLX's allocator is gone.
-std::mutex pools_mu;
-auto& pools = *new std::unordered_map<const mx::allocator::Data*, mx::array>();
-
-void prune_pools_locked() {
-  for (auto it = pools.begin(); it != pools.end();) {
-    it = it->second.data_shared_ptr().use_count() == 1 ? pools.erase(it) : std::next(it);
-  }
-}
-
-}  // namespace
-
-void remember_pool(const mx::array& in) {
-  std::lock_guard<std::mutex> lock(pools_mu);
-  pools.insert_or_assign(in.data_shared_ptr().get(), in);
-}
-
-bool computed_pool_alias_ok(const mx::array& a) {
-  const auto& data = a.data_shared_ptr();
-  std::lock_guard<std::mutex> lock(pools_mu);
-  prune_pools_locked();
-  auto it = pools.find(data.get());
-  const bool lineage = it != pools.end();
-  if (!a.is_available()) {
-    // Still running (async_eval): MLX holds references to the buffer for the work in flight, which
-    // cannot be told from views. A pool this launcher wrote before is trusted (the contract); any
-    // other buffer is left to copy-on-write.
-    return lineage;
-  }
-  if (data.use_count() <= (lineage ? 2 : 1)) return true;
-  // Another owner: a view, an alias, or a reference MLX has not released yet. Copy-on-write decides
-  // when the graph runs, exactly; forgetting the entry lets it take the buffer by donation if by then
-  // nothing else holds it.
-  if (lineage) pools.erase(it);
-  return false;
-}
-
-size_t release_retired_pools() {
-  std::lock_guard<std::mutex> lock(pools_mu);
-  prune_pools_locked();
-  return pools.size();
-}
-
 void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const auto& input_of = bin_->input_of;
   const auto& output_of = bin_->output_of;
@@ -119,7 +72,7 @@ void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vecto
       // The deliberate alias: the output *is* the pool buffer, registered as an output below so that
       // MLX orders every later reader after this kernel.
       outputs[output_of[b]].copy_shared_buffer(in);
-      remember_pool(in);
+      record_inplace_write(in);
     }
   }
 }
@@ -158,29 +111,8 @@ mx::array cow_guard(const mx::array& a, mx::StreamOrDevice s) {
   return mx::scatter(a, {idx}, upd, {0}, s);
 }
 
-bool inplace_alias_ok(const std::vector<mx::array>& inputs, int i) {
-  const mx::array& a = inputs[i];
-  for (size_t j = 0; j < inputs.size(); ++j) {
-    if (static_cast<int>(j) != i && inputs[j].id() == a.id()) return false;  // passed twice: two writers
-  }
-  if (a.status() == mx::array::Status::unscheduled) {
-    // Not computed yet, so its buffer is unknown. The returned pool of an earlier launch (an engine
-    // that evaluates once per several steps) will be that launch's in-place buffer: alias it, as the
-    // evaluated case below would. Any other lazy array (a fresh mx.zeros, a lazy slice or view of
-    // another array) goes through copy-on-write, which MLX resolves when it runs.
-    if (!a.has_primitive() || typeid(a.primitive()) != typeid(AotLaunch)) return false;
-    const auto& producer = static_cast<const AotLaunch&>(a.primitive()).binary();
-    for (size_t b = 0; b < producer.roles.size(); ++b) {
-      if (producer.output_of[b] == a.sibling_position()) return producer.roles[b] == kInplace;
-    }
-    return false;
-  }
-  // Computed: alias only a row-contiguous buffer that no other array shares (computed_pool_alias_ok).
-  return a.flags().row_contiguous && computed_pool_alias_ok(a);
-}
-
 std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args,
-                              std::vector<mx::array> inputs, mx::StreamOrDevice s) {
+                              std::vector<mx::array> inputs, mx::StreamOrDevice s, std::vector<Copied>* copied) {
   const std::string& entry = args->entry;
   if (static_cast<int>(inputs.size()) != bin->n_inputs) {
     throw std::invalid_argument("[mlx_aot] " + entry + ": expected " + std::to_string(bin->n_inputs) +
@@ -208,9 +140,15 @@ std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shar
   }
   // Decide every in-place input on the arrays as passed, before any is replaced by a guard.
   std::vector<bool> alias(inputs.size(), false);
+  int n_alias = 0, n_copy = 0;
   for (size_t b = 0; b < bin->roles.size(); ++b) {
-    if (bin->roles[b] == kInplace) alias[input_of[b]] = inplace_alias_ok(inputs, input_of[b]);
+    if (bin->roles[b] != kInplace) continue;
+    InplaceDecision d = decide_inplace(inputs, input_of[b], s);
+    alias[input_of[b]] = d.alias;
+    d.alias ? ++n_alias : ++n_copy;
+    if (!d.alias && copied) copied->push_back({static_cast<int>(b), d.reason});
   }
+  count_launch(n_alias, n_copy);
   for (size_t b = 0; b < bin->roles.size(); ++b) {
     if (input_of[b] < 0) continue;
     auto& a = inputs[input_of[b]];
@@ -244,27 +182,88 @@ namespace {
 
 using CpuEntry = void (*)(void**);
 
-CpuEntry cpu_entry(const std::string& path, const std::string& entry) {
-  static std::mutex mu;
-  static std::unordered_map<std::string, void*> libs;
-  static std::unordered_map<std::string, CpuEntry> fns;
-  std::lock_guard<std::mutex> lock(mu);
-  const std::string key = path + "\n" + entry;
-  auto it = fns.find(key);
-  if (it != fns.end()) return it->second;
-  void*& lib = libs[path];
-  if (lib == nullptr) {
-    lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+bool write_all(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// dlopen the verified bytes, not the artifact file: they go to an anonymous memfd (Linux) or, where
+// that is missing or not executable, a private mkstemp file unlinked once loaded. A memfd stays open
+// for the life of the process, so its /proc/self/fd name is never reused for other bytes (dlopen
+// returns an already loaded library of the same name); a temp file's name carries the content key,
+// so a reused name can only ever mean the same bytes.
+void* dlopen_image(const KernelBinary& bin, std::string& error) {
+  error.clear();
+#ifdef __linux__
+  int mfd = -1;
+#ifdef MFD_EXEC
+  mfd = memfd_create("mlx_aot", MFD_CLOEXEC | MFD_EXEC);  // vm.memfd_noexec=1 wants exec spelt out
+#endif
+  if (mfd < 0) mfd = memfd_create("mlx_aot", MFD_CLOEXEC);
+  if (mfd >= 0) {
+    if (write_all(mfd, bin.image)) {
+      const std::string name = "/proc/self/fd/" + std::to_string(mfd);
+      if (void* lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL)) return lib;  // mfd intentionally kept
+      const char* err = dlerror();
+      error = std::string("memfd: ") + (err ? err : "?") + "; ";
+    }
+    ::close(mfd);
+  }
+#endif
+  std::string safe_key = bin.key;
+  for (char& c : safe_key) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  }
+  const char* tmp = std::getenv("TMPDIR");
+  std::string name = std::string(tmp && *tmp ? tmp : "/tmp") + "/" + safe_key.substr(0, 120) + "_XXXXXX";
+  int fd = mkstemp(name.data());
+  if (fd < 0) {
+    error += "cannot create a temp file in " + name + ": " + std::strerror(errno);
+    return nullptr;
+  }
+  void* lib = nullptr;
+  if (write_all(fd, bin.image) && ::fsync(fd) == 0) {
+    lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) {
       const char* err = dlerror();
-      libs.erase(path);
-      throw std::runtime_error("[mlx_aot] cannot load CPU artifact " + path + ": " + (err ? err : "?") +
+      error += err ? err : "?";
+    }
+  } else {
+    error += "cannot write " + name + ": " + std::strerror(errno);
+  }
+  ::unlink(name.c_str());
+  ::close(fd);
+  return lib;
+}
+
+CpuEntry cpu_entry(const KernelBinary& bin, const std::string& entry) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, void*> libs;  // by content key; intentionally never closed
+  static std::unordered_map<std::string, CpuEntry> fns;
+  std::lock_guard<std::mutex> lock(mu);
+  const std::string key = bin.key + "\n" + entry;
+  auto it = fns.find(key);
+  if (it != fns.end()) return it->second;
+  void*& lib = libs[bin.key];
+  if (lib == nullptr) {
+    std::string err;
+    lib = bin.image.empty() ? nullptr : dlopen_image(bin, err);
+    if (lib == nullptr) {
+      libs.erase(bin.key);
+      throw std::runtime_error("[mlx_aot] cannot load CPU artifact " + bin.path + " from its verified bytes: " +
+                               (bin.image.empty() ? std::string("no bytes") : err) +
                                "; rebuild it with `python -m build_tools compile --target cpu`");
     }
   }
   auto fn = reinterpret_cast<CpuEntry>(dlsym(lib, entry.c_str()));
   if (fn == nullptr) {
-    throw std::runtime_error("[mlx_aot] " + path + " has no entry " + entry);
+    throw std::runtime_error("[mlx_aot] " + bin.path + " has no entry " + entry);
   }
   fns[key] = fn;
   return fn;
@@ -291,7 +290,7 @@ void AotLaunch::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       ptrs[b] = const_cast<void*>(inputs[input_of[b]].data<void>());
     }
   }
-  CpuEntry fn = cpu_entry(bin_->path, args_.entry);
+  CpuEntry fn = cpu_entry(*bin_, args_.entry);
   // The task owns copies of the pointers and scalars; MLX's CPU eval keeps the input buffers alive
   // until the task has run.
   enc.dispatch([fn, ptrs = std::move(ptrs), scalars = args_.scalars]() mutable {

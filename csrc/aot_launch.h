@@ -22,8 +22,9 @@ enum ScalarType : int { kInt32 = 0, kFloat32 = 1 };
 
 // What does not change between calls of one kernel on one artifact.
 struct KernelBinary {
-  std::string key;                 // unique per artifact (kernel name + file sha): library/module cache key
-  std::string path;                // the artifact file
+  std::string key;                 // unique per artifact (kernel name + content sha): library/module cache key
+  std::string path;                // the artifact file, for messages only: it is never read here
+  std::string image;               // the artifact's bytes, verified by registry/artifacts.py; what is loaded
   std::string target;              // "cpu" | "cuda" | "metal"
   std::vector<int> roles;          // per buffer, signature order
   std::vector<int> like;           // per buffer: outputs -> buffer index giving shape/dtype, else -1
@@ -68,21 +69,39 @@ class AotLaunch : public mx::Primitive {
   const LaunchArgs& args_;
 };
 
+// An in-place input the launch may not write where it lies goes through a copy-on-write guard;
+// `copied` (optional) receives (buffer index, why) for each.
+struct Copied {
+  int buffer;
+  std::string reason;
+};
+
 // Build the lazy launch: validates counts and dtypes, makes inputs row-contiguous, and gives every
-// in-place input either its own buffer (aliased, see inplace_alias_ok) or a copy-on-write guard
-// (cow_guard). Returns the outputs in signature order.
+// in-place input either its own buffer (aliased, see decide_inplace) or a copy-on-write guard
+// (cow_guard). `inputs` holds one copy of each array the caller passes, and the caller holds one
+// handle of its own (its mx.array object): decide_inplace counts on exactly that. Returns the
+// outputs in signature order.
 std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args,
-                              std::vector<mx::array> inputs, mx::StreamOrDevice s = {});
+                              std::vector<mx::array> inputs, mx::StreamOrDevice s = {},
+                              std::vector<Copied>* copied = nullptr);
 
-// May in-place input i be written where it lies? (docs/native.md, "In-place outputs")
-bool inplace_alias_ok(const std::vector<mx::array>& inputs, int i);
-
-// The lineage table of aliased pool buffers (see aot_launch.cpp): record an aliased input, decide a
-// computed pool (row-contiguous already checked), and drop entries whose pool is gone (returns how
-// many remain).
-void remember_pool(const mx::array& in);
-bool computed_pool_alias_ok(const mx::array& pool);
-size_t release_retired_pools();
+// The in-place policy (inplace.cpp; docs/native.md): may in-place input i be written where it lies?
+struct InplaceDecision {
+  bool alias;
+  const char* reason;  // why not, when !alias
+};
+InplaceDecision decide_inplace(const std::vector<mx::array>& inputs, int i, mx::StreamOrDevice s);
+// At evaluation: the pool buffer is now the launcher's (later calls need no first-use check).
+void record_inplace_write(const mx::array& pool);
+void count_launch(int aliased, int copies);
+struct InplaceStats {
+  uint64_t launches, aliased, copies, first_use_checks, syncs;
+  size_t owned_pools;  // live buffers the launcher has written in place
+};
+InplaceStats inplace_stats();
+void reset_inplace_stats();
+// (descriptor owners, buffer owners or -1 when not computed): for probes and tests.
+std::pair<long, long> owner_counts(const mx::array& a);
 
 // MLX's copy-on-write for an in-place input that is not provably exclusive: a scatter of zero rows.
 // When it runs, MLX hands it the input's buffer if nothing else can still read the input (no

@@ -5,8 +5,6 @@
 
 #include <cuda.h>
 
-#include <fstream>
-#include <iterator>
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
@@ -35,15 +33,13 @@ CUfunction cuda_function(const KernelBinary& bin, const std::string& entry, int 
   if (auto it = functions.find(fkey); it != functions.end()) return it->second;
   CUmodule& mod = modules[mkey];
   if (mod == nullptr) {
-    std::ifstream f(bin.path, std::ios::binary);
-    if (!f) {
+    // The bytes registry/artifacts.py verified, never the file again. std::string keeps a NUL after
+    // its last byte, which PTX needs (harmless for a cubin).
+    if (bin.image.empty()) {
       modules.erase(mkey);
-      throw std::runtime_error("[mlx_aot] cannot read CUDA artifact " + bin.path +
-                               "; rebuild it with `python -m build_tools compile --target cuda`");
+      throw std::runtime_error("[mlx_aot] CUDA artifact " + bin.path + " came without its verified bytes");
     }
-    std::string image((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    image.push_back('\0');  // PTX must be NUL-terminated; harmless for a cubin
-    CUresult r = cuModuleLoadData(&mod, image.data());
+    CUresult r = cuModuleLoadData(&mod, bin.image.c_str());
     if (r != CUDA_SUCCESS) {
       modules.erase(mkey);
       check(r, "cuModuleLoadData(" + bin.path + ")");

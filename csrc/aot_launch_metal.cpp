@@ -3,12 +3,50 @@
 // specialised by function constants and cached under a name that encodes every constant's bits.
 #include "aot_launch.h"
 
+#include <dispatch/dispatch.h>
+
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "mlx/backend/metal/device.h"
 
 namespace mlx_aot {
+
+namespace {
+
+// The library is built from the bytes registry/artifacts.py verified (never re-read from bin.path),
+// once per (artifact, device); intentionally never released.
+MTL::Library* library_from_image(mx::metal::Device& d, const KernelBinary& bin) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, MTL::Library*> libs;
+  std::lock_guard<std::mutex> lock(mu);
+  std::ostringstream key;
+  key << bin.key << "@" << static_cast<const void*>(d.mtl_device());
+  MTL::Library*& lib = libs[key.str()];
+  if (lib == nullptr) {
+    if (bin.image.empty()) {
+      libs.erase(key.str());
+      throw std::runtime_error("[mlx_aot] Metal artifact " + bin.path + " came without its verified bytes");
+    }
+    // DISPATCH_DATA_DESTRUCTOR_DEFAULT copies the bytes.
+    dispatch_data_t data = dispatch_data_create(bin.image.data(), bin.image.size(), nullptr,
+                                                DISPATCH_DATA_DESTRUCTOR_DEFAULT);
+    NS::Error* error = nullptr;
+    lib = d.mtl_device()->newLibrary(data, &error);
+    dispatch_release(data);
+    if (lib == nullptr) {
+      libs.erase(key.str());
+      std::string why = error && error->localizedDescription() ? error->localizedDescription()->utf8String() : "?";
+      throw std::runtime_error("[mlx_aot] cannot load Metal artifact " + bin.path + ": " + why +
+                               "; rebuild it with `python -m build_tools compile --target metal`");
+    }
+  }
+  return lib;
+}
+
+}  // namespace
 
 void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   if (bin_->target != "metal") {
@@ -17,8 +55,7 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   }
   prepare_outputs(inputs, outputs);
   auto& d = mx::metal::device(stream().device);
-  // A path ending in .metallib is loaded as that exact file; the name must be unique per artifact.
-  MTL::Library* lib = d.get_library(bin_->key, bin_->path);
+  MTL::Library* lib = library_from_image(d, *bin_);
 
   mx::metal::MTLFCList constants;
   std::ostringstream hash;

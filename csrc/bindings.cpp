@@ -1,6 +1,7 @@
 // registry._ext: the Python face of the generic launcher (registry/native.py builds on it).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/array.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
@@ -16,11 +17,13 @@ using mlx_aot::LaunchArgs;
 NB_MODULE(_ext, m) {
   m.doc() = "mlx-aot-kernels native launcher: runs AOT-compiled kernels as one MLX primitive";
 
-  nb::class_<KernelBinary>(m, "KernelBinary")
+  nb::class_<KernelBinary>(m, "KernelBinary", nb::dynamic_attr())
       .def("__init__",
            [](KernelBinary* self, std::string key, std::string path, std::string target, std::vector<int> roles,
               std::vector<int> like, std::vector<int> scalar_types, std::vector<int> specialize,
-              std::vector<std::string> dtypes) {
+              std::vector<std::string> dtypes, nb::bytes image) {
+             if (image.size() == 0)
+               throw std::invalid_argument("image is empty: an artifact is loaded from its verified bytes");
              if (roles.size() != like.size() || roles.size() != dtypes.size())
                throw std::invalid_argument("roles, like and dtypes differ in length");
              if (scalar_types.size() != specialize.size())
@@ -28,6 +31,7 @@ NB_MODULE(_ext, m) {
              auto* b = new (self) KernelBinary();
              b->key = std::move(key);
              b->path = std::move(path);
+             b->image.assign(image.c_str(), image.size());
              b->target = std::move(target);
              b->roles = std::move(roles);
              b->like = std::move(like);
@@ -43,7 +47,8 @@ NB_MODULE(_ext, m) {
              }
              mlx_aot::index_buffers(*b);
            },
-           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a, "dtypes"_a)
+           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a, "dtypes"_a,
+           "image"_a)
       .def_ro("key", &KernelBinary::key)
       .def_ro("path", &KernelBinary::path)
       .def_ro("target", &KernelBinary::target);
@@ -67,8 +72,8 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "launch",
-      [](std::shared_ptr<KernelBinary> bin, std::shared_ptr<LaunchArgs> args, nb::sequence seq,
-         mlx::core::StreamOrDevice s) {
+      [](nb::object py_bin, std::shared_ptr<LaunchArgs> args, nb::sequence seq, mlx::core::StreamOrDevice s) {
+        auto bin = nb::cast<std::shared_ptr<KernelBinary>>(py_bin);
         const size_t n = nb::len(seq);
         std::vector<mlx::core::array> inputs;
         inputs.reserve(n);
@@ -78,22 +83,41 @@ NB_MODULE(_ext, m) {
           if (!nb::try_cast<mlx::core::array*>(item, a) || a == nullptr)
             throw nb::type_error(("inputs[" + std::to_string(i) + "] must be an mx.array, got " +
                                   nb::type_name(item.type()).c_str()).c_str());
-          inputs.push_back(*a);
+          inputs.push_back(*a);  // the one copy launch() counts on
         }
-        return mlx_aot::launch(std::move(bin), std::move(args), std::move(inputs), s);
+        std::vector<mlx_aot::Copied> copied;
+        auto out = mlx_aot::launch(std::move(bin), std::move(args), std::move(inputs), s, &copied);
+        // Copy-on-write is never expected in steady state: tell the binary's owner (registry/native.py).
+        if (!copied.empty() && nb::hasattr(py_bin, "on_copy")) {
+          for (const auto& c : copied) py_bin.attr("on_copy")(c.buffer, c.reason);
+        }
+        return out;
       },
       "binary"_a, "args"_a, "inputs"_a, "stream"_a = nb::none(),
-      "Lazily launch a plan on the artifact; returns the outputs in signature order.");
+      "Lazily launch a plan on the artifact; returns the outputs in signature order. A binary with an "
+      "`on_copy(buffer, reason)` attribute is told of every in-place buffer written through a copy.");
 
   m.def("cuda_device_arch", &mlx_aot::cuda_device_arch, "device"_a = 0,
         "Compute capability of a CUDA device as 'sm_XY' ('' without CUDA).");
   m.def(
-      "buffer_owners",
-      [](const mlx::core::array& a) -> long { return a.is_available() ? a.data_shared_ptr().use_count() : -1; },
-      "a"_a, "How many arrays share this evaluated array's buffer (-1 if not evaluated): the in-place check.");
-  m.def("release_retired_pools", &mlx_aot::release_retired_pools,
-        "Forget aliased pool buffers that only the lineage table still holds (done at every launch); "
-        "returns how many pools remain tracked.");
+      "owner_counts", &mlx_aot::owner_counts, "a"_a,
+      "(array objects and pending ops referring to `a`, arrays and in-flight work holding its buffer or -1 "
+      "when not computed): the first is what the in-place policy counts, the second depends on timing.");
+  m.def(
+      "stats",
+      []() {
+        auto st = mlx_aot::inplace_stats();
+        nb::dict d;
+        d["launches"] = st.launches;
+        d["aliased"] = st.aliased;
+        d["copies"] = st.copies;
+        d["first_use_checks"] = st.first_use_checks;
+        d["syncs"] = st.syncs;
+        d["owned_pools"] = st.owned_pools;
+        return d;
+      },
+      "Process-wide launcher counters (registry.native.stats() documents them).");
+  m.def("reset_stats", &mlx_aot::reset_inplace_stats, "Zero the launcher counters.");
   m.def("built_with_cuda", &mlx_aot::built_with_cuda);
   m.def("built_with_metal", &mlx_aot::built_with_metal);
 }

@@ -14,25 +14,38 @@ Two digests, both sha256 over canonical JSON (never Python's hash()):
                  Needs no toolchain: the registry recomputes it at run time and refuses a mismatch.
   key            source_digest + compiler identity + the exact (path-normalised) commands + arch.
                  `compile` skips a unit whose index entry carries the same key and an intact file.
+
+The index is input like any other: every field is type-checked, and the kernel name, file path and
+entry symbols come from kernels.yaml (the index only has to agree). An artifact is read once, as a
+regular file below the artifact directory reached without following a symlink and of bounded size;
+its size, sha256 and entry symbols are checked on those bytes, and the launcher loads those bytes
+(registry/native.py), never the file again.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import envs
 from ._version import __version__
-from .manifest import KernelSpec
+from .manifest import TARGETS, KernelSpec
 from .paths import PACKAGE_DIR
+from .symbols import cubin_sm, missing_entries
 
 INDEX_NAME = "index.json"
-INDEX_SCHEMA = 2
+INDEX_SCHEMA = 3
+MAX_INDEX_BYTES = 16 * 1024 * 1024
+MAX_ARTIFACT_BYTES = 512 * 1024 * 1024
+_KERNEL_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 KEY_SCHEMA_VERSION = 2
 # `#include "x"` and `#include <x>`; angle includes count only when they resolve inside the
 # kernel's include_dirs (anything else belongs to the toolchain, whose identity is in the key).
@@ -80,6 +93,70 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def artifact_file(name: str, target: str, arch: str | None, key: str) -> str:
+    """The artifact's path relative to the artifact directory, derived from kernels.yaml's name, the
+    target, the arch and the build key (never taken from the index)."""
+    kind = ("ptx" if arch.startswith("compute_") else "cubin") if target == "cuda" else (
+        {"cpu": "so", "metal": "metallib"}[target])
+    return f"{name}/{target}/{name}.{key[:16]}{'.' + arch if arch else ''}.{kind}"
+
+
+def artifact_kind(target: str, arch: str | None) -> str:
+    return artifact_file("k", target, arch, "0" * 16).rsplit(".", 1)[1]
+
+
+class UnsafeFile(OSError):
+    """A file the artifact directory may not hand out: a symlink, not a regular file, too large."""
+
+
+def read_confined(directory: Path, rel: str, limit: int) -> bytes:
+    """The bytes of `directory/rel`: every component below `directory` opened without following a
+    symlink, the last one a regular file (a FIFO or device is refused, without blocking) of at most
+    `limit` bytes. `rel` must be relative without '..'. Raises FileNotFoundError or UnsafeFile/OSError."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in rel:
+        raise UnsafeFile(f"{rel!r} is not a plain relative path inside {directory}")
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    cloexec = getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | cloexec)
+    try:
+        for part in parts[:-1]:
+            try:
+                nxt = os.open(part, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | nofollow | cloexec, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafeFile(f"{directory / rel}: {part} is a symlink or not a directory") from None
+                raise
+            os.close(fd)
+            fd = nxt
+        try:
+            ffd = os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | nofollow | cloexec, dir_fd=fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UnsafeFile(f"{directory / rel} is a symlink") from None
+            raise
+    finally:
+        os.close(fd)
+    try:
+        st = os.fstat(ffd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(f"{directory / rel} is not a regular file")
+        if st.st_size > limit:
+            raise UnsafeFile(f"{directory / rel} is {st.st_size} bytes; the limit is {limit}")
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(ffd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > limit:
+            raise UnsafeFile(f"{directory / rel} grew past {limit} bytes while being read")
+        return b"".join(chunks)
+    finally:
+        os.close(ffd)
 
 
 def _canonical(obj) -> bytes:
@@ -160,8 +237,9 @@ class IndexEntry:
     kernel: str
     target: str
     arch: str | None
-    file: str                  # relative to the artifact dir
+    file: str                  # relative to the artifact dir (must equal artifact_file(...))
     sha256: str                # of the file
+    size: int                  # of the file, in bytes
     key: str                   # build key (toolchain included)
     source_digest: str         # toolchain-free digest the registry recomputes
     entries: dict[str, str]    # dtype -> entry symbol, checked present in the file
@@ -178,28 +256,76 @@ class IndexEntry:
 _ENTRY_FIELDS = {f.name for f in fields(IndexEntry)}
 
 
+def _str_map(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+
+
+# Field -> (check, what it must be). Only the shape is checked here; agreement with kernels.yaml
+# (file path, entries, kernel) is checked where an entry is used (check_entry).
+_FIELD_CHECKS = {
+    "kernel": (lambda v: isinstance(v, str) and bool(_KERNEL_NAME.match(v)), "a kernel name"),
+    "target": (lambda v: v in TARGETS, f"one of {', '.join(TARGETS)}"),
+    "arch": (lambda v: v is None or (isinstance(v, str) and bool(_CUDA_ARCH.match(v))),
+             "null or a CUDA arch like sm_90"),
+    "file": (lambda v: isinstance(v, str) and len(v) < 1024, "a relative path string"),
+    "sha256": (lambda v: isinstance(v, str) and bool(_HEX64.match(v)), "64 hex digits"),
+    "size": (lambda v: type(v) is int and v >= 0, "a non-negative integer"),
+    "key": (lambda v: isinstance(v, str) and bool(_HEX64.match(v)), "64 hex digits"),
+    "source_digest": (lambda v: isinstance(v, str) and bool(_HEX64.match(v)), "64 hex digits"),
+    "entries": (_str_map, "a mapping dtype -> symbol"),
+    "compiler": (lambda v: isinstance(v, str), "a string"),
+    "commands": (lambda v: isinstance(v, list) and all(isinstance(c, list) and all(isinstance(a, str) for a in c)
+                                                        for c in v), "a list of argument lists"),
+    "inputs": (_str_map, "a mapping name -> sha256"),
+    "package_version": (lambda v: isinstance(v, str), "a string"),
+}
+assert set(_FIELD_CHECKS) == _ENTRY_FIELDS
+
+
+def _short(value) -> str:
+    text = repr(value) if not isinstance(value, (list, dict)) else f"{type(value).__name__} of {len(value)}"
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
 def read_index(directory: Path) -> tuple[dict[tuple, IndexEntry], str | None]:
-    """(entries by (kernel, target, arch), problem); a missing index is empty without a problem."""
+    """(entries by (kernel, target, arch), problem); a missing index is empty without a problem.
+    A symlinked, non-regular or oversized index, or any field of the wrong type, makes the whole
+    index unusable, with the reason (the registry falls back; the next `compile` replaces it)."""
     path = Path(directory) / INDEX_NAME
     try:
-        text = path.read_text(encoding="utf-8")
+        raw_bytes = read_confined(Path(directory), INDEX_NAME, MAX_INDEX_BYTES)
     except FileNotFoundError:
         return {}, None
     except OSError as e:
         return {}, f"{path}: unreadable index ({e})"
     try:
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("schema") != INDEX_SCHEMA:
-            got = data.get("schema") if isinstance(data, dict) else None
-            return {}, f"{path}: index schema {got!r} is not {INDEX_SCHEMA} (written by another version)"
-        entries = []
-        for raw in data["artifacts"]:
-            if set(raw) != _ENTRY_FIELDS:
-                raise ValueError(f"artifact fields {sorted(raw)} are not {sorted(_ENTRY_FIELDS)}")
-            entries.append(IndexEntry(**raw))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        return {}, f"{path}: unreadable index ({e})"
-    return {e.slot: e for e in entries}, None
+        data = json.loads(raw_bytes.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        return {}, f"{path}: unreadable index (not JSON: {_short(str(e))})"
+    if not isinstance(data, dict) or data.get("schema") != INDEX_SCHEMA:
+        got = data.get("schema") if isinstance(data, dict) else None
+        return {}, f"{path}: index schema {_short(got)} is not {INDEX_SCHEMA} (written by another version)"
+    artifacts = data.get("artifacts")
+    if not isinstance(artifacts, list):
+        return {}, f"{path}: unreadable index (artifacts: expected a list, got {type(artifacts).__name__})"
+    entries: dict[tuple, IndexEntry] = {}
+    for i, raw in enumerate(artifacts):
+        if not isinstance(raw, dict) or set(raw) != _ENTRY_FIELDS:
+            got = sorted(map(str, raw)) if isinstance(raw, dict) else type(raw).__name__
+            return {}, (f"{path}: unreadable index (artifacts[{i}]: fields {_short(got)} are not "
+                        f"{sorted(_ENTRY_FIELDS)})")
+        for name, (ok, what) in _FIELD_CHECKS.items():
+            if not ok(raw[name]):
+                return {}, (f"{path}: unreadable index (artifacts[{i}].{name}: expected {what}, got "
+                            f"{type(raw[name]).__name__} {_short(raw[name])})")
+        entry = IndexEntry(**raw)
+        if (entry.target == "cuda") != (entry.arch is not None):
+            return {}, (f"{path}: unreadable index (artifacts[{i}].arch: {_short(entry.arch)} for target "
+                        f"{entry.target}; only cuda artifacts have an arch, and every one has)")
+        if entry.slot in entries:
+            return {}, f"{path}: unreadable index (artifacts[{i}]: a second entry for {entry.slot})"
+        entries[entry.slot] = entry
+    return entries, None
 
 
 def write_index(directory: Path, entries: dict[tuple, IndexEntry]) -> None:
@@ -254,16 +380,53 @@ def why_stale(entry: IndexEntry, current: SourceInputs) -> str:
     return "; ".join(parts) or "built with another key schema"
 
 
-def check_entry(directory: Path, entry: IndexEntry, current: SourceInputs) -> str | None:
-    """None if `entry` is loadable now, else why not (names the file)."""
-    path = Path(directory) / entry.file
+def verify_entry(directory: Path, entry: IndexEntry, current: SourceInputs,
+                 spec: KernelSpec) -> tuple[str | None, bytes | None]:
+    """(None, the artifact's verified bytes) if `entry` is loadable now for `spec`, else (why not,
+    None). Name, path and entry symbols come from kernels.yaml; the index has to agree with them."""
+    directory = Path(directory)
+    index = directory / INDEX_NAME
+    if (entry.kernel, entry.target) != (spec.name, current.target):
+        return f"{index}: entry for {entry.kernel} {entry.target} used for {spec.name} {current.target}", None
+    want = artifact_file(spec.name, entry.target, entry.arch, entry.key)
+    path = directory / want
+    if entry.file != want:
+        return (f"{index}: the file of {spec.name} {entry.target}{' ' + entry.arch if entry.arch else ''} is "
+                f"{_short(entry.file)}, not {want} (refused: artifacts are found by kernels.yaml's names)"), None
     if entry.source_digest != current.digest:
-        return f"{path} is stale ({why_stale(entry, current)})"
-    if not path.is_file():
-        return f"{path} is listed in {Path(directory) / INDEX_NAME} but missing"
-    if sha256_file(path) != entry.sha256:
-        return f"{path} does not match its sha256 in the index (corrupt or half-written)"
-    return None
+        return f"{path} is stale ({why_stale(entry, current)})", None
+    if entry.entries != spec.entries:
+        diff = [f"{dt}: {_short(entry.entries.get(dt))} in the index, {_short(spec.entries.get(dt))} in kernels.yaml"
+                for dt in sorted(set(entry.entries) | set(spec.entries), key=str)
+                if entry.entries.get(dt) != spec.entries.get(dt)]
+        return (f"{path}: the index's entries differ from kernels.yaml ({'; '.join(diff[:3])}) (refused: an "
+                f"entry symbol of another dtype would run with the wrong element size)"), None
+    try:
+        data = read_confined(directory, want, MAX_ARTIFACT_BYTES)
+    except FileNotFoundError:
+        return f"{path} is listed in {index} but missing", None
+    except OSError as e:
+        return f"{path}: refused ({e})", None
+    if len(data) != entry.size:
+        return f"{path} is {len(data)} bytes, the index says {entry.size} (corrupt or half-written)", None
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        return f"{path} does not match its sha256 in the index (corrupt or half-written)", None
+    kind = artifact_kind(entry.target, entry.arch)
+    try:
+        missing = missing_entries(data, kind, list(spec.entries.values()))
+        sm = cubin_sm(data) if kind == "cubin" else None
+    except ValueError as e:
+        return f"{path}: refused ({e})", None
+    if missing:
+        return f"{path}: refused: entry symbol(s) {', '.join(missing)} of kernels.yaml are not in it", None
+    if sm is not None and sm != parse_cuda_arch(entry.arch)[1]:
+        return f"{path}: refused: the cubin targets sm_{sm}, not {entry.arch}", None
+    return None, data
+
+
+def check_entry(directory: Path, entry: IndexEntry, current: SourceInputs, spec: KernelSpec) -> str | None:
+    """None if `entry` is loadable now, else why not (names the file)."""
+    return verify_entry(directory, entry, current, spec)[0]
 
 
 # ----------------------------------------------------------------------------- runtime lookup
@@ -272,7 +435,8 @@ def check_entry(directory: Path, entry: IndexEntry, current: SourceInputs) -> st
 class Lookup:
     path: Path | None          # the artifact to load, or None
     reason: str                # why it was chosen, or why nothing is usable and the fix command
-    entries: dict[str, str] = field(default_factory=dict)   # dtype -> entry symbol
+    entries: dict[str, str] = field(default_factory=dict)   # dtype -> entry symbol (kernels.yaml's)
+    data: bytes | None = field(default=None, repr=False)    # the verified bytes: what the launcher loads
 
 
 def parse_cuda_arch(arch: str) -> tuple[str, int, str]:
@@ -338,12 +502,12 @@ def lookup(spec: KernelSpec, target: str, *, arch: str | None = None) -> Lookup:
                          + ("" if (directory / INDEX_NAME).is_file() else " (no index.json)"))
             continue
         for entry in candidates:
-            why = check_entry(directory, entry, current)
+            why, data = verify_entry(directory, entry, current, spec)
             if why is None:
                 path = directory / entry.file
                 note = f" (PTX {entry.arch}, JIT-compiled by the driver for {arch})" if (
                     target == "cuda" and entry.arch != arch) else ""
-                return Lookup(path, f"loaded {path}{note}", dict(entry.entries))
+                return Lookup(path, f"loaded {path}{note}", dict(spec.entries), data)
             tried.append(why)
     return Lookup(None, f"no usable {target}{' ' + arch if arch else ''} artifact for {spec.name!r}: "
                         f"{'; '.join(tried)}; {fix_command(spec, target, arch)}")

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from . import envs
 from .errors import ManifestError
-from .manifest import KernelSpec, Manifest, load_manifest
+from .manifest import KernelSpec, Manifest, hook_module_allowed, load_manifest
 from .norm import NormConfig, UnsupportedNorm, normalize_qk_norm
 from .rope import RopeConfig, UnsupportedRope, normalize_rope
 
@@ -220,11 +220,19 @@ class KernelSet:
 # ----------------------------------------------------------------------------- registry
 
 def _resolve(ref: str, what: str, spec: KernelSpec) -> Callable:
+    """The hook `module:attr`. load_manifest checked it (registry.* or MLX_AOT_HOOK_MODULES, defined at
+    top level); the module allow-list is checked again here, before anything is imported."""
     module_name, attr = ref.split(":")
+    if not hook_module_allowed(module_name):
+        raise ManifestError([f"kernel {spec.name!r}: {what}: {ref} is outside the registry package and "
+                             f"MLX_AOT_HOOK_MODULES"])
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ManifestError([f"kernel {spec.name!r}: {what}: cannot import {ref} ({e})"]) from e
+    if not callable(fn):
+        raise ManifestError([f"kernel {spec.name!r}: {what}: {ref} is a {type(fn).__name__}, not a function"])
+    return fn
 
 
 class KernelRegistry:

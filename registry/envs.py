@@ -19,7 +19,7 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 @dataclass(frozen=True)
 class EnvVar:
     name: str
-    kind: str  # "flag" | "path" | "float" | "level"
+    kind: str  # "flag" | "path" | "float" | "level" | "list"
     default: str | None
     read_in: str
     doc: str
@@ -37,9 +37,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "Never load native artifacts; every kernel runs its reference path (for A/B checks)."),
     EnvVar("MLX_AOT_REQUIRE_NATIVE", "flag", "0", "registry/native.py",
            "Raise instead of falling back when a selected kernel's artifact is missing or stale."),
+    EnvVar("MLX_AOT_HOOK_MODULES", "list", None, "registry/manifest.py",
+           "Comma-separated module names, outside the `registry` package, that kernels.yaml may name "
+           "as `wrapper`/`check` (e.g. tests.toy_wrapper); unset: only registry.* modules."),
 )
 _BY_NAME = {v.name: v for v in ENV_VARS}
-_KIND_LABEL = {"flag": "flag", "path": "path", "float": "seconds", "level": "level"}
+_KIND_LABEL = {"flag": "flag", "path": "path", "float": "seconds", "level": "level", "list": "list"}
 TABLE_BEGIN = "<!-- generated from registry/envs.py and kernels.yaml: python -m build_tools env-table --write -->"
 TABLE_END = "<!-- end of generated table -->"
 
@@ -112,6 +115,12 @@ def get_path(name: str) -> Path | None:
     if raw is None or raw.strip() == "":
         return None
     return Path(raw).expanduser()
+
+
+def get_list(name: str) -> tuple[str, ...]:
+    """A comma-separated list: unset or empty -> (); blanks around items are dropped."""
+    raw = os.environ.get(name)
+    return tuple(item.strip() for item in (raw or "").split(",") if item.strip())
 
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -5,6 +5,10 @@ names from CONTEXT_NAMES, attribute access on `rope` (fields of RopeConfig only)
 (including `in`, `not in`, `is None`, `is not None`), and/or/not, + - * / // %, and literals
 (numbers, strings, booleans, None, tuples/lists of literals). Calls, subscripts, comprehensions,
 lambdas, imports and any name or attribute outside the whitelist are rejected with the reason.
+
+Size limits keep hostile text from exhausting time or memory: the text, its node count and depth,
+every literal, and every value computed at selection time are bounded (LIMITS below); arithmetic
+only ever combines numbers (no string or sequence repetition, concatenation or %-formatting).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import ast
 import operator
 import string
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .norm import NormConfig
 from .rope import RopeConfig
@@ -38,8 +42,6 @@ ATTRIBUTES: dict[str, frozenset[str]] = {
     "qk_norm": frozenset(f.name for f in fields(NormConfig)),
 }
 
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
            ast.Gt: operator.gt, ast.GtE: operator.ge,
            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
@@ -48,6 +50,39 @@ _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast
 
 class ExprError(ValueError):
     pass
+
+
+# Bounds on one expression (documented in docs/manifest.md, "Limits").
+MAX_TEXT = 2000          # characters of the expression or of its reason template
+MAX_NODES = 200          # AST nodes
+MAX_DEPTH = 32           # AST nesting
+MAX_INT = 2**63          # |integer| of a literal or of any computed value
+MAX_STR = 256            # characters of a string literal
+MAX_ITEMS = 64           # elements of a tuple/list literal
+
+
+class _Bound(ArithmeticError):
+    """A value computed at selection time left the bounds: the requirement does not hold."""
+
+
+def _num(value: Any) -> bool:
+    return isinstance(value, (int, float))   # bool is an int: True + 1 is fine
+
+
+def _arith(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def apply(a: Any, b: Any) -> Any:
+        if not (_num(a) and _num(b)):
+            raise TypeError("arithmetic is only defined on numbers here")
+        r = op(a, b)
+        if isinstance(r, int) and abs(r) > MAX_INT:
+            raise _Bound(f"|{op.__name__} result| exceeds 2**63")
+        return r
+    return apply
+
+
+_BINOPS = {t: _arith(f) for t, f in (
+    (ast.Add, operator.add), (ast.Sub, operator.sub), (ast.Mult, operator.mul),
+    (ast.Div, operator.truediv), (ast.FloorDiv, operator.floordiv), (ast.Mod, operator.mod))}
 
 
 @dataclass(frozen=True)
@@ -60,8 +95,9 @@ class Requirement:
     def holds(self, ctx: Mapping[str, Any]) -> bool:
         try:
             return bool(_eval(self.tree.body, ctx))
-        except (TypeError, AttributeError, ZeroDivisionError):
-            # e.g. `rope.rotary_dims` while rope is None: the requirement does not hold.
+        except (TypeError, AttributeError, ArithmeticError):
+            # e.g. `rope.rotary_dims` while rope is None, or a result beyond the bounds: the
+            # requirement does not hold (ArithmeticError covers ZeroDivision, Overflow and _Bound).
             return False
 
     def explain(self, ctx: Mapping[str, Any]) -> str:
@@ -71,11 +107,16 @@ class Requirement:
 
 def _placeholders(template: str) -> list[str]:
     names = []
-    for _, field, spec, conv in string.Formatter().parse(template):
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:   # a lone '{' or '}'
+        raise ExprError(f"reason {_short(template)} is not a valid template ({e}); write a literal "
+                        f"brace as '{{{{' or '}}}}'") from None
+    for _, field, spec, conv in parsed:
         if field is None:
             continue
         if field not in CONTEXT_NAMES or spec or conv:
-            raise ExprError(f"reason placeholder {{{field}}} must be a plain context name "
+            raise ExprError(f"reason placeholder {{{_short(field, 40)[1:-1]}}} must be a plain context name "
                             f"({', '.join(CONTEXT_NAMES)})")
         names.append(field)
     return names
@@ -83,24 +124,52 @@ def _placeholders(template: str) -> list[str]:
 
 def compile_requirement(text: str, reason: str = "") -> Requirement:
     """Parse and whitelist-check `text`; raise ExprError saying what is not allowed."""
+    for what, value in (("expression", text), ("reason", reason)):
+        if len(value) > MAX_TEXT:
+            raise ExprError(f"the {what} is {len(value)} characters; the limit is {MAX_TEXT}")
+        if "\0" in value:
+            raise ExprError(f"the {what} contains a NUL byte")
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as e:
         raise ExprError(f"not a valid expression ({e.msg})") from None
-    _check(tree.body)
+    except (RecursionError, MemoryError, ValueError):   # nesting beyond the parser's own limits
+        raise ExprError(f"the expression nests too deeply (limit: depth {MAX_DEPTH})") from None
+    nodes = 0
+    for _ in ast.walk(tree.body):   # iterative: bounded work before the recursive check
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise ExprError(f"the expression has more than {MAX_NODES} nodes; split it into several requirements")
+    _check(tree.body, 0)
     _placeholders(reason)
     return Requirement(text=text, tree=tree, reason=reason)
 
 
-def _check(node: ast.AST) -> None:
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit]) + "..."
+    return text if len(text) <= limit + 8 else text[:limit] + "..."
+
+
+def _sequence_literal(node: ast.AST) -> bool:
+    return isinstance(node, (ast.Tuple, ast.List)) or (
+        isinstance(node, ast.Constant) and isinstance(node.value, str))
+
+
+def _check(node: ast.AST, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ExprError(f"the expression nests deeper than {MAX_DEPTH} levels")
+    depth += 1
     if isinstance(node, ast.BoolOp):
         for v in node.values:
-            _check(v)
+            _check(v, depth)
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
-        _check(node.operand)
+        _check(node.operand, depth)
     elif isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        _check(node.left)
-        _check(node.right)
+        if _sequence_literal(node.left) or _sequence_literal(node.right):
+            raise ExprError("arithmetic on strings, tuples or lists (repetition, concatenation, "
+                            "%-formatting) is not allowed")
+        _check(node.left, depth)
+        _check(node.right, depth)
     elif isinstance(node, ast.Compare):
         for op in node.ops:
             if type(op) not in _CMPOPS:
@@ -109,9 +178,9 @@ def _check(node: ast.AST) -> None:
             if isinstance(op, (ast.Is, ast.IsNot)) and not (
                     isinstance(right, ast.Constant) and right.value is None):
                 raise ExprError("`is` / `is not` may only compare with None")
-        _check(node.left)
+        _check(node.left, depth)
         for c in node.comparators:
-            _check(c)
+            _check(c, depth)
     elif isinstance(node, ast.Name):
         if node.id not in CONTEXT_NAMES:
             raise ExprError(f"unknown name {node.id!r}; known names: {', '.join(CONTEXT_NAMES)}")
@@ -122,13 +191,20 @@ def _check(node: ast.AST) -> None:
             raise ExprError(f"unknown attribute {node.value.id}.{node.attr}; known: "
                             f"{', '.join(sorted(ATTRIBUTES[node.value.id]))}")
     elif isinstance(node, ast.Constant):
-        if not isinstance(node.value, (int, float, str, bool, type(None))):
-            raise ExprError(f"literal {node.value!r} is not allowed")
+        value = node.value
+        if not isinstance(value, (int, float, str, bool, type(None))):
+            raise ExprError(f"literal {_short(value)} is not allowed")
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            raise ExprError(f"integer literal {_short(value)} exceeds 2**63")
+        if isinstance(value, str) and len(value) > MAX_STR:
+            raise ExprError(f"string literal {_short(value)} is longer than {MAX_STR} characters")
     elif isinstance(node, (ast.Tuple, ast.List)):
+        if len(node.elts) > MAX_ITEMS:
+            raise ExprError(f"a tuple or list literal may hold at most {MAX_ITEMS} items")
         for e in node.elts:
             if not isinstance(e, ast.Constant):
                 raise ExprError("tuples and lists may only hold literals")
-            _check(e)
+            _check(e, depth)
     elif isinstance(node, ast.Call):
         raise ExprError("function calls are not allowed")
     else:
@@ -142,7 +218,11 @@ def _eval(node: ast.AST, ctx: Mapping[str, Any]) -> Any:
         return any(_eval(v, ctx) for v in node.values)
     if isinstance(node, ast.UnaryOp):
         value = _eval(node.operand, ctx)
-        return (not value) if isinstance(node.op, ast.Not) else -value
+        if isinstance(node.op, ast.Not):
+            return not value
+        if not _num(value):
+            raise TypeError("unary minus is only defined on numbers")
+        return -value
     if isinstance(node, ast.BinOp):
         return _BINOPS[type(node.op)](_eval(node.left, ctx), _eval(node.right, ctx))
     if isinstance(node, ast.Compare):

@@ -17,6 +17,7 @@ from benchmarks import cases, report, runner
 from benchmarks.cases import BenchmarkError, Shape
 from benchmarks.cli import bench
 from benchmarks.runner import Cell
+from registry.core import backend_of
 from registry.kernels.rope_pool_fused import RopePoolFusedKernel
 from registry.paths import PROJECT_ROOT
 
@@ -275,10 +276,12 @@ def test_cli_runs_a_small_matrix(tmp_path):
                                      "--markdown", str(tmp_path / "b.md")])
     assert res.exit_code == 0, res.output
     assert report.HEADER in res.output and "[2/2 " in res.output
-    assert "never slower than MLX's own path" in res.output and "CPU: >= 3x" in res.output
+    assert "never slower than MLX's own path" in res.output
     doc = json.loads(out.read_text())
     info = doc["info"]
-    assert info["commit"] == "feedbee" and info["backend"] == "cpu" and info["mlx"] == mx.__version__
+    # The CPU target applies on the CPU only; the GPU targets are stated for bf16/f16 cells (not run here).
+    assert ("CPU: >= 3x" in res.output) == (info["backend"] == "cpu")
+    assert info["commit"] == "feedbee" and info["backend"] == backend_of(None) and info["mlx"] == mx.__version__
     assert {"date", "host", "platform", "gpu", "cpu_count", "seconds"} <= set(info)
     assert info["matrix"]["layers"] == 2 and info["matrix"]["variants"] == ["base", "traditional"]
     assert doc["command"].startswith("python -m ")

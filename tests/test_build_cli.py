@@ -82,10 +82,17 @@ def test_targets_and_only_accept_comma_lists(tmp_path, monkeypatch):
     gone = toolchains.Toolchain("metal", False, "", (), "xcrun not found (test)", "install Xcode")
     monkeypatch.setitem(toolchains.FINDERS, "metal", lambda: gone)
     common = ["--dry-run", "--manifest", str(manifest), "--out", str(tmp_path / "o")]
-    r = run("compile", "--target", "cpu,metal", *common)          # explicit: a missing toolchain is an error
+    building = common[1:]
+    r = run("compile", "--target", "cpu,metal", *building)        # explicit: a missing toolchain is an error
     assert r.exit_code == 2 and "target metal: xcrun not found (test)" in r.output and "fix: install Xcode" in r.output
-    r = run("compile", "--target", "metal", "--json", *common)
+    r = run("compile", "--target", "metal", "--json", *building)
     assert r.exit_code == 2 and json.loads(r.stdout) == {"ok": False, "error": r.stderr.split("error: ", 1)[1].rstrip()}
+    assert not (tmp_path / "o").exists()
+    with_metal = toy_project(tmp_path / "m", cuda=False, metal=True)
+    r = run("compile", "--target", "cpu,metal", "--dry-run", "--manifest", str(with_metal), "--out", str(tmp_path / "o"))
+    # a dry run plans it anyway (issue 12 item 26)
+    assert r.exit_code == 0 and "not buildable here (xcrun not found (test))" in r.output
+    assert "$ xcrun -sdk macosx metal" in r.output and "$ xcrun -sdk macosx metallib" in r.output
     r = run("compile", "--target", "auto,cpu", *common)           # auto: the same is a skip, with the reason
     assert r.exit_code == 0 and "skipped metal: xcrun not found (test) (fix: install Xcode)" in r.output
     r = run("compile", "--target", "cpu", "--only", "toy,toy", *common)

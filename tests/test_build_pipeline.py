@@ -425,7 +425,7 @@ def test_unreadable_index_is_refused_and_recovered(tmp_path, cache):
     found = artifacts.lookup(toy(manifest), "cpu")
     assert found.path is None and "unreadable index" in found.reason
     (cache / "index.json").write_text('{"schema": 1, "artifacts": []}')
-    assert "index schema 1 is not 2" in artifacts.lookup(toy(manifest), "cpu").reason
+    assert f"index schema 1 is not {artifacts.INDEX_SCHEMA}" in artifacts.lookup(toy(manifest), "cpu").reason
     assert compile_kernels(targets="cpu", manifest=manifest).ok
     assert artifacts.lookup(toy(manifest), "cpu").path is not None
 
@@ -482,7 +482,8 @@ def test_concurrent_compiles_build_once_and_agree(tmp_path):
     assert reports[0]["path"] == reports[1]["path"]
     index, problem = artifacts.read_index(out)
     assert problem is None and list(index) == [("toy", "cpu", None)]
-    assert artifacts.check_entry(out, index[("toy", "cpu", None)], artifacts.source_inputs(toy(manifest), "cpu")) is None
+    spec = toy(manifest)
+    assert artifacts.check_entry(out, index[("toy", "cpu", None)], artifacts.source_inputs(spec, "cpu"), spec) is None
     assert [p.name for p in (out / "toy" / "cpu").iterdir()] == [Path(index[("toy", "cpu", None)].file).name]
     assert not list(out.glob(".tmp-*"))
 
@@ -547,8 +548,8 @@ def test_clean_removes_only_pipeline_paths(tmp_path):
     compile_kernels(targets="cpu", manifest=manifest, out_dir=out)
     (out / "unrelated").mkdir()
     (out / ".tmp-toy.cpu.any-dead").mkdir()
-    removed = clean_artifacts(out, ["toy"], only=["toy"])
-    assert str(out / "toy") in removed and artifacts.read_index(out) == ({}, None)
+    removed, refused = clean_artifacts(out, ["toy"], only=["toy"])
+    assert str(out / "toy") in removed and refused == [] and artifacts.read_index(out) == ({}, None)
     assert (out / "index.json").is_file()
     compile_kernels(targets="cpu", manifest=manifest, out_dir=out)
     clean_artifacts(out, ["toy"])
@@ -556,4 +557,4 @@ def test_clean_removes_only_pipeline_paths(tmp_path):
     assert (out / "unrelated").is_dir() and not (out / ".tmp-toy.cpu.any-dead").exists()
     assert (out / ".locks").is_dir()     # lock files stay: see clean_artifacts
     shutil.rmtree(out)
-    assert clean_artifacts(out, ["toy"]) == []
+    assert clean_artifacts(out, ["toy"]) == ([], [])

@@ -339,6 +339,28 @@ def test_sanitizer_catches_a_missing_pool_bound(emu_cache):
     assert "rope_pool_fused.metal:" in str(e.value)   # the report points into the .metal source
 
 
+@pytest.mark.parametrize("mutant", [False, True], ids=["kernel", "mutant"])
+def test_head_major_guard_against_zero_rows(emu_cache, library, mutant):
+    """Scalars that disagree (pool_size 4, pool_rows 0, head-major): the kernel writes nothing;
+    without its zero-rows guard it would divide by zero, which UBSan reports."""
+    lib = library if not mutant else compile_source(
+        mutated(emu_cache, " && (!head_major || pool_rows > 0)", ""), emu_cache, include_dirs=[SOURCE.parent])
+    rope = rope_variant("full-base", 64)
+    inputs = make_case(2, 2, 2, 64, 0, "float32", [0, 1], batch=2)
+    launcher = EmulatedMetal(lib, SPEC).launcher()
+    grid, group = metal_geometry(2, 2, 2, 64, 64, 1, 4)
+    plan = launcher.plan("float32", dict(n_tokens=2, pool_size=4, pool_rows=0, n_q_heads=2, n_kv_heads=2, head_dim=64,
+                                         rotary_dims=64, traditional=0, heads_per_thread=1, pos_scale=1.0,
+                                         mscale=1.0, pool_layout=1), grid=grid, threadgroup=group)
+    q, k, v, pos, sl, kp, vp = inputs
+    run = lambda: launcher.run(plan, [q, k, v, kp, vp, pos, sl, mx.array(rope.inv_freq())])
+    if not mutant:
+        check_against_oracle(run(), inputs, rope, "float32")
+        return
+    with pytest.raises(SanitizerError, match="division by zero"):
+        run()
+
+
 def test_sanitizer_catches_an_out_of_bounds_read(emu_cache):
     lib = compile_source(mutated(emu_cache, "inv_freq[p]", "inv_freq[p + 1]"), emu_cache, include_dirs=[SOURCE.parent])
     with pytest.raises(SanitizerError, match=r"READ of 4 bytes at byte \d+ of buffer\(9\) inv_freq"):

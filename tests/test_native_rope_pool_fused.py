@@ -126,6 +126,7 @@ def test_pools_are_updated_in_place(native_artifacts):
 
 
 def test_a_view_of_the_pool_forces_a_copy(native_artifacts):
+    """The first time the launcher takes a buffer, nothing may share it (here a view of the pool)."""
     rope = RopeConfig(64)
     args = make_case(2, 4, 2, 64, 6, "float32", [0, 1])
     kp, vp = args[5], args[6]
@@ -175,33 +176,38 @@ def test_async_eval_pipelining_keeps_the_pool_buffer(native_artifacts):
     np.testing.assert_array_equal(to_np(vp[:24]), np.concatenate([to_np(v)] * 6))
 
 
-def test_lineage_table_releases_dropped_pools(native_artifacts):
-    from registry.native import import_ext
-    ext = import_ext()
+def test_dropped_pools_are_freed(native_artifacts):
+    """The launcher keeps no reference to the pools it wrote: dropping them frees their memory."""
+    from registry import native
     kernel = native_kernel(RopeConfig(64))
-    tracked = ext.release_retired_pools()
-    q, k, v, pos, slots, kp, vp = make_case(2, 4, 2, 64, 8, "float32", [0, 1])
+    q, k, v, pos, slots, _, _ = make_case(2, 4, 2, 64, 8, "float32", [0, 1])
+    mx.eval(q, k, v, pos, slots)
+    owned, active = native.stats()["owned_pools"], mx.get_active_memory()
+    kp, vp = mx.zeros((4096, 2, 64)), mx.zeros((4096, 2, 64))
+    mx.eval(kp, vp)
     out = kernel(q, k, v, pos, slots, kp, vp)
     mx.eval(out)
-    assert ext.release_retired_pools() == tracked + 2   # the previous inputs of both pools
+    assert native.stats()["owned_pools"] == owned + 2
     del kp, vp, out
-    assert ext.release_retired_pools() == tracked       # their buffers are free again
+    mx.synchronize()
+    assert native.stats()["owned_pools"] == owned
+    assert mx.get_active_memory() <= active
 
 
-def test_pending_lazy_reader_of_the_old_pool_observes_the_write(native_artifacts):
-    """Documented limit (docs/native.md): an unevaluated computation built from the pool before the call
-    and evaluated after the kernel ran reads the updated buffer. Lazy views and readers of a pool that
-    is itself not evaluated yet are protected (copy-on-write); evaluated views are protected too."""
+def test_pending_lazy_reader_of_the_old_pool_keeps_the_old_values(native_artifacts):
+    """An unevaluated op built on the pool before the call refers to the pool's array: the call writes
+    a copy, so the reader sees the pool as it was, whatever the evaluation order."""
     kernel = native_kernel(RopeConfig(64))
     args = make_case(3, 4, 2, 64, 6, "float32", [1, -1, 4])
     kp, vp = args[5], args[6]
     mx.eval(kp, vp)
+    old = np.array(vp[4])
     reader = vp[4] * 1                   # pending when the kernel is built
     _, _, kp_new, vp_new = kernel(*args[:5], kp, vp)
     mx.eval(kp_new, vp_new)              # the kernel runs first...
-    np.testing.assert_array_equal(np.array(reader), np.array(args[2][2]))  # ...so the reader sees the write
-    # A lazy pool (here not evaluated before the call) is written through MLX's copy-on-write: its
-    # pending readers keep the old values whatever the evaluation order.
+    np.testing.assert_array_equal(np.array(reader), old)   # ...the reader still sees the old row
+    np.testing.assert_array_equal(np.array(vp_new[4]), np.array(args[2][2]))
+    # A lazy pool that is not a launch's output goes through copy-on-write too.
     lazy_pool = vp_new * 1
     old = np.array(vp_new)
     reader = lazy_pool[1] + 0
@@ -211,21 +217,67 @@ def test_pending_lazy_reader_of_the_old_pool_observes_the_write(native_artifacts
     np.testing.assert_array_equal(np.array(vp_lazy[1]), np.array(args[2][2]))
 
 
-def test_view_of_a_pool_written_before_forces_a_copy(native_artifacts):
-    """The same view rule on the second call, when the launcher's lineage table holds the pool's
-    previous input: the owner count stays exact."""
+@pytest.mark.parametrize("alias", ["astype", "reshape", "ellipsis", "colon"])
+def test_aliases_of_a_pool_keep_their_values(native_artifacts, alias):
+    """MLX returns the pool's own array for these, as a new mx.array object: after the call they hold
+    the old values, as after MLX's own `pool[i] = x`, on the first call and on later calls alike."""
+    make = {"astype": lambda p: p.astype(p.dtype), "reshape": lambda p: p.reshape(p.shape),
+            "ellipsis": lambda p: p[...], "colon": lambda p: p[:]}[alias]
+    from registry import native
+    kernel = native_kernel(RopeConfig(64))
+    q, k, v, pos, _, kp, vp = make_case(2, 4, 2, 64, 6, "float32", [0, 1])
+    for step in range(2):
+        slots = mx.array([2 * step, 2 * step + 1], dtype=mx.int32)
+        mx.eval(kp, vp)
+        other = make(vp)
+        mx.eval(other)
+        snapshot = np.array(other)
+        copies = native.stats()["copies"]
+        _, _, kp, vp = kernel(q, k, v, pos, slots, kp, vp)
+        mx.eval(kp, vp)
+        np.testing.assert_array_equal(np.array(other), snapshot)
+        np.testing.assert_array_equal(np.array(vp[2 * step:2 * step + 2]), np.array(v))
+        assert native.stats()["copies"] == copies + 1            # v_pool only
+        del other
+
+
+def test_views_of_an_owned_pool_see_its_writes(native_artifacts):
+    """Documented (docs/native.md): once the launcher has written a pool, arrays that view part of its
+    memory (slices, reshapes to another shape), like a NumPy view of it, show its current contents.
+    That is what lets attention slice the pool without the next call copying it."""
     kernel = native_kernel(RopeConfig(64))
     q, k, v, pos, _, kp, vp = make_case(2, 4, 2, 64, 6, "float32", [0, 1])
     _, _, kp, vp = kernel(q, k, v, pos, mx.array([0, 1], dtype=mx.int32), kp, vp)
     mx.eval(kp, vp)
     view = vp[2:4]
     mx.eval(view)
-    snapshot = np.array(view)
-    _, _, kp2, vp2 = kernel(q, k, v, pos, mx.array([2, 3], dtype=mx.int32), kp, vp)
-    mx.eval(kp2, vp2)
-    np.testing.assert_array_equal(np.array(view), snapshot)          # the view never changes
-    np.testing.assert_array_equal(np.array(vp2[2:4]), np.array(v))
-    assert data_ptr(vp2) != data_ptr(vp) and data_ptr(kp2) == data_ptr(kp)  # only the viewed pool was copied
+    numpy_view = np.asarray(vp)                      # shares the buffer; MLX does not see it
+    before = data_ptr(vp), data_ptr(kp)
+    _, _, kp, vp = kernel(q, k, v, pos, mx.array([2, 3], dtype=mx.int32), kp, vp)
+    mx.eval(kp, vp)
+    assert (data_ptr(vp), data_ptr(kp)) == before    # no copy
+    np.testing.assert_array_equal(np.array(view), np.array(v))
+    np.testing.assert_array_equal(numpy_view[2:4], np.array(v))
+
+
+def test_copies_are_counted_and_warned_once_per_kernel(native_artifacts, caplog):
+    from registry import native
+    kernel = native_kernel(RopeConfig(64))
+    q, k, v, pos, slots, kp, vp = make_case(2, 4, 2, 64, 6, "float32", [0, 1])
+    mx.eval(kp, vp)
+    before = native.stats()
+    with caplog.at_level("WARNING", logger="registry"):
+        for _ in range(3):
+            keep = kp.astype(kp.dtype)               # an alias: forces a copy of k_pool each call
+            _, _, kp, vp = kernel(q, k, v, pos, slots, kp, vp)
+            mx.eval(kp, vp)
+    after = native.stats()
+    assert after["copies"] - before["copies"] == 3 and after["launches"] - before["launches"] == 3
+    assert after["aliased"] - before["aliased"] == 3  # v_pool every time
+    warnings = [r for r in caplog.records if "copy-on-write" in r.getMessage()]
+    assert len(warnings) == 1 and "k_pool" in warnings[0].getMessage()
+    assert "pool.astype(pool.dtype)" in warnings[0].getMessage()
+    del keep
 
 
 def test_same_array_as_both_pools_is_not_aliased_twice(native_artifacts):
@@ -377,3 +429,19 @@ def test_launcher_argument_errors(native_artifacts):
         launcher.plan("float32", dict.fromkeys(launcher.spec.signature.scalars and
                                                [s.name for s in launcher.spec.signature.scalars], 1),
                       grid=(1, 1, 1), threadgroup=(0, 1, 1))
+
+
+def test_a_fresh_lazy_pool_is_computed_and_written_in_place(native_artifacts):
+    """A pool that is not computed yet (mx.zeros straight into the first call) is computed once and
+    then taken like a computed one: no copy, and every later call writes the same buffer."""
+    from registry import native
+    kernel = native_kernel(RopeConfig(64))
+    q, k, v, pos, slots, _, _ = make_case(2, 4, 2, 64, 8, "float32", [0, 1])
+    mx.eval(q, k, v, pos, slots)
+    before = native.stats()
+    _, _, kp, vp = kernel(q, k, v, pos, slots, mx.zeros((8, 2, 64)), mx.zeros((8, 2, 64)))
+    first = data_ptr(kp), data_ptr(vp)
+    _, _, kp, vp = kernel(q, k, v, pos, slots + 2, kp, vp)
+    assert (data_ptr(kp), data_ptr(vp)) == first
+    after = native.stats()
+    assert after["copies"] == before["copies"] and after["aliased"] - before["aliased"] == 4

@@ -91,11 +91,14 @@ def test_python_check_must_give_reason(tmp_path, monkeypatch):
         reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32)
 
 
-def test_unimportable_wrapper_fails_at_build_time(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLX_AOT_TOY", raising=False)
-    reg = toy_registry(tmp_path, wrapper="tests.no_such_module:build")
-    with pytest.raises(ManifestError, match="kernel 'toy': wrapper: cannot import tests.no_such_module:build"):
-        reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32)
+def test_unresolvable_wrapper_fails_at_load_time(tmp_path):
+    # Checked when the manifest loads (validate), without importing the module.
+    with pytest.raises(ManifestError, match="kernel 'toy': wrapper: registry.no_such_module:build: module "
+                                            "registry.no_such_module not found"):
+        toy_registry(tmp_path, wrapper="registry.no_such_module:build")
+    with pytest.raises(ManifestError, match="wrapper: tests.no_such_module:build: module 'tests.no_such_module' "
+                                            "is outside the registry package"):
+        toy_registry(tmp_path, wrapper="tests.no_such_module:build")
 
 
 def test_unknown_attribute_lists_declared(tmp_path):

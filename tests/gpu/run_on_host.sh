@@ -1,19 +1,48 @@
 #!/bin/bash
-# The GPU host run recorded in docs/gpu-runs.md: build registry._ext against the gpu-kit's MLX CUDA
-# wheel, then run the native tests on the GPU (the CPU suite's native tests use the default device,
-# which is the GPU there) and the GPU-only tests, memcheck included. Logs go to $OUT when set.
-# Usage on the host, after `bash .gpu-kit/b/install.sh`:  bash tests/gpu/run_on_host.sh
+# The GPU host runs recorded in docs/gpu-runs.md: build registry._ext against the gpu-kit's MLX CUDA
+# wheel, compile every kernel of kernels.yaml for the device's arch, then run tests on the GPU.
+# Usage on the host, after `bash .gpu-kit/b/install.sh`:
+#   bash tests/gpu/run_on_host.sh --all          # the whole suite (pytest tests): junit + summary line
+#   bash tests/gpu/run_on_host.sh --build-only   # extension + artifacts only
+#   bash tests/gpu/run_on_host.sh [pytest args]  # the native tests and tests/gpu, plus any args
+# Logs, junit.xml and summary.txt go to $OUT when set (else /tmp). MLX_AOT_COMMIT names the commit
+# in the summary when the tree has no .git.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="/usr/local/cuda/bin:$PATH" PYTHONUNBUFFERED=1
 log="${OUT:-/tmp}"
-echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+commit="${MLX_AOT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+echo "== $(date -u +%FT%TZ) commit $commit"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())'
 cmake -S csrc -B /tmp/mlx_aot_build -DPython_EXECUTABLE="$(command -v python3)" \
       -DMLX_AOT_OUTPUT_DIR="$PWD/registry" -DMLX_AOT_BACKEND=cuda -DCMAKE_BUILD_TYPE=Release >"$log/cmake.log" 2>&1 \
   && cmake --build /tmp/mlx_aot_build --parallel 16 >>"$log/cmake.log" 2>&1 || { tail -40 "$log/cmake.log"; exit 1; }
-python3 -c 'import registry._ext as e; print("ext: cuda", e.built_with_cuda(), e.cuda_device_arch(0))'
-python3 -m build_tools compile --target cuda --arch sm_90
+arch=$(python3 -c 'import registry._ext as e; print(e.cuda_device_arch(0))')
+echo "ext: cuda $(python3 -c 'import registry._ext as e; print(e.built_with_cuda())') $arch"
+python3 -m build_tools compile --target cuda --arch "$arch"
+case "${1:-}" in
+  --build-only) exit 0 ;;
+  --all)
+    shift
+    set +e
+    python3 -m pytest -q -p no:cacheprovider --junitxml="$log/junit.xml" tests "$@" 2>&1 | tee "$log/pytest.log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    python3 - "$log/junit.xml" "$commit" >"$log/summary.txt" <<'PY'
+import datetime, socket, subprocess, sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+n = lambda k: sum(int(s.get(k, 0)) for s in suites)
+failed, skipped = n("failures") + n("errors"), n("skipped")
+passed = n("tests") - failed - skipped
+gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                     text=True).stdout.strip() or "no GPU"
+print(f"whole suite: {passed} passed, {failed} failed, {skipped} skipped at commit {sys.argv[2]} "
+      f"({datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {socket.gethostname()}: {gpu})")
+PY
+    cat "$log/summary.txt"
+    exit "$rc" ;;
+esac
 python3 -m pytest -q -x -p no:cacheprovider --junitxml="$log/junit.xml" \
-  tests/test_native_rope_pool_fused.py tests/gpu "$@" 2>&1 | tee "$log/pytest.log"
+  tests/test_native_rope_pool_fused.py tests/test_inplace_soak.py tests/gpu "$@" 2>&1 | tee "$log/pytest.log"
