@@ -41,7 +41,8 @@ void run(void** args) {
   const size_t D = static_cast<size_t>(head_dim);
   for (int t = 0; t < n_tokens; ++t) {
     const int slot = slots[t];
-    if (slot < 0 || slot >= pool_size) continue;  // < 0: skipped; >= pool_size: never written
+    // < 0: skipped; >= pool_size: never written; head-major with no rows (inconsistent scalars): nothing
+    if (slot < 0 || slot >= pool_size || (pool_layout != 0 && pool_rows < 1)) continue;
     // Slot-major [S, H, D]: row (slot, h). Head-major [B, H, S, D]: b = slot / S, s = slot % S.
     const size_t b = static_cast<size_t>(slot / pool_rows), s = static_cast<size_t>(slot % pool_rows);
     for (int h = 0; h < n_kv_heads; ++h) {

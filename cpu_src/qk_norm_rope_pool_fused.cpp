@@ -63,7 +63,7 @@ void run(void** args) {
   const T* k_weight = buffer<const T>(args, 11);
   const int n_tokens = scalar<int32_t>(args, 12);
   const int pool_size = scalar<int32_t>(args, 13);
-  const int pool_rows = scalar<int32_t>(args, 14) < 1 ? 1 : scalar<int32_t>(args, 14);
+  const int pool_rows = scalar<int32_t>(args, 14);
   const int n_q_heads = scalar<int32_t>(args, 15);
   const int n_kv_heads = scalar<int32_t>(args, 16);
   Params p;
@@ -91,7 +91,8 @@ void run(void** args) {
       norm_rope_row<A>(q + off, q_out + off, q_weight, cs.data(), sn.data(), p, normed.data());
     }
     const int slot = slots[t];
-    const bool write = slot >= 0 && slot < pool_size;  // < 0: no store; >= pool_size: never written
+    // < 0: no store; >= pool_size: never written; head-major with no rows (inconsistent scalars): nothing
+    const bool write = slot >= 0 && slot < pool_size && (pool_layout == 0 || pool_rows > 0);
     const size_t b = write ? static_cast<size_t>(slot / pool_rows) : 0, s = write ? static_cast<size_t>(slot % pool_rows) : 0;
     for (int h = 0; h < n_kv_heads; ++h) {
       const size_t off = (static_cast<size_t>(t) * n_kv_heads + h) * D;

@@ -38,7 +38,8 @@ __device__ void body(const A* __restrict__ k, const A* __restrict__ v, P* k_pool
   const int t = static_cast<int>(row / p.n_kv_heads);
   const int h = static_cast<int>(row - static_cast<long long>(t) * p.n_kv_heads);
   const int slot = slots[t];
-  if (slot < 0 || slot >= p.pool_size) return;  // < 0: skipped; >= pool_size: never written
+  // < 0: skipped; >= pool_size: never written; head-major with no rows (inconsistent scalars): nothing
+  if (slot < 0 || slot >= p.pool_size || (p.pool_layout != 0 && p.pool_rows < 1)) return;
   const long long b = slot / p.pool_rows, s = slot % p.pool_rows;
   const long long dst = p.pool_layout == 0 ? (static_cast<long long>(slot) * p.n_kv_heads + h) * p.head_dim
                                            : ((b * p.n_kv_heads + h) * p.pool_rows + s) * p.head_dim;
@@ -68,7 +69,7 @@ __device__ void dispatch(const A* k, const A* v, P* k_pool, P* v_pool, const int
   extern "C" __global__ void __launch_bounds__(256) NAME(                                               \
       const A* k, const A* v, P* k_pool, P* v_pool, const int32_t* slots, int n_tokens, int pool_size,   \
       int pool_rows, int n_kv_heads, int head_dim, int pool_layout, int vec_width) {                     \
-    const Params p{n_tokens, pool_size, pool_rows < 1 ? 1 : pool_rows, n_kv_heads, head_dim, pool_layout}; \
+    const Params p{n_tokens, pool_size, pool_rows, n_kv_heads, head_dim, pool_layout}; \
     if (head_dim % (vec_width < 1 ? 1 : vec_width)) return;  /* a width the row cannot hold */          \
     dispatch<A, P>(k, v, k_pool, v_pool, slots, vec_width, p);                                           \
   }

@@ -60,7 +60,8 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const float r = rsqrtf(ss / static_cast<float>(D) + p.eps);
 
   const int slot = is_q ? -1 : slots[t];
-  const bool store = !is_q && slot >= 0 && slot < p.pool_size;  // never out of bounds
+  // Never out of bounds (nor a division by zero rows of inconsistent head-major scalars).
+  const bool store = !is_q && slot >= 0 && slot < p.pool_size && (p.pool_layout == 0 || p.pool_rows > 0);
   long long dst = 0;
   if (store) {
     const long long b = slot / p.pool_rows, s = slot % p.pool_rows;
@@ -102,7 +103,7 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
       const T* k_weight, int n_tokens, int pool_size, int pool_rows, int n_q_heads, int n_kv_heads,        \
       int head_dim, int rotary_dims, int traditional, int pool_layout, float pos_scale, float mscale,      \
       float eps, float weight_offset) {                                                                    \
-    const Params p{n_tokens, pool_size, pool_rows < 1 ? 1 : pool_rows, n_q_heads, n_kv_heads, head_dim,    \
+    const Params p{n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim,    \
                    rotary_dims, traditional, pool_layout, pos_scale, mscale, eps, weight_offset};          \
     body<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, q_weight, k_weight, p);  \
   }

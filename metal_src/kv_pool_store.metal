@@ -31,11 +31,11 @@ template <typename A, typename P>
     return;  // non-uniform grids: edge threadgroups run past the data
   }
   const int slot = slots[t];
-  if (slot < 0 || slot >= pool_size) {
-    return;  // < 0: skipped; >= pool_size: never written
+  if (slot < 0 || slot >= pool_size || (POOL_LAYOUT != 0 && pool_rows < 1)) {
+    return;  // < 0: skipped; >= pool_size: never written; head-major without rows: nothing
   }
   // 64-bit offsets. Slot-major [S, H, D]: row (slot, h); head-major [B, H, S, D]: b = slot / S, s = slot % S.
-  const long rows = long(max(pool_rows, 1));
+  const long rows = long(pool_rows);
   const long b = long(slot) / rows;
   const long s = long(slot) % rows;
   const long dst = (POOL_LAYOUT == 0 ? (long(slot) * N_KV_HEADS + h) : ((b * N_KV_HEADS + h) * rows + s)) * HEAD_DIM + d;

@@ -84,10 +84,11 @@ template <typename T, typename P>
   const float r = rsqrt(partial[base] / float(HEAD_DIM) + EPS);
 
   const int slot = is_q ? -1 : slots[t];
-  const bool store = slot >= 0 && slot < pool_size;  // q rows and slot < 0: no store; >= pool_size: never written
+  // q rows and slot < 0: no store; >= pool_size: never written; head-major without rows: nothing
+  const bool store = slot >= 0 && slot < pool_size && (POOL_LAYOUT == 0 || pool_rows > 0);
   long dst = 0;
   if (store) {
-    const long rows = long(max(pool_rows, 1));
+    const long rows = long(pool_rows);
     const long b = long(slot) / rows;
     const long s = long(slot) % rows;
     dst = (POOL_LAYOUT == 0 ? long(slot) * N_KV_HEADS + h : (b * N_KV_HEADS + h) * rows + s) * HEAD_DIM;

@@ -153,3 +153,16 @@ def test_selected_with_its_own_reason_where_rope_kernel_is_not():
         rope = None
     kset = KernelRegistry.from_yaml().build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=8)
     assert kset.kv_store is not None and kset.rope is None
+
+
+def test_inconsistent_head_major_scalars_never_divide_by_zero(native_artifacts):
+    """A raw launch whose pool_size (4) disagrees with pool_rows (0) of a head-major pool: the kernel
+    writes nothing rather than dividing by zero rows (SIGFPE on x86)."""
+    kernel = native_kernel()
+    args = case(2, 2, 8, (2, 2, 0, 8), "float32", "float32", [0, 3])
+    key, scalars, grid, group = kernel.launch_config(*args)
+    assert (scalars["pool_rows"], scalars["pool_layout"]) == (0, 1)
+    out = kernel._launcher.run(kernel._launcher.plan(key, dict(scalars, pool_size=4), grid=grid, threadgroup=group),
+                               kernel.launch_arrays(*args))
+    mx.eval(out)
+    assert out[0].shape == (2, 2, 0, 8) and out[1].shape == (2, 2, 0, 8)

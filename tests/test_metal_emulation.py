@@ -351,7 +351,7 @@ def test_head_major_guard_against_zero_rows(emu_cache, library, mutant):
     grid, group = metal_geometry(2, 2, 2, 64, 64, 1, 4)
     plan = launcher.plan("float32", dict(n_tokens=2, pool_size=4, pool_rows=0, n_q_heads=2, n_kv_heads=2, head_dim=64,
                                          rotary_dims=64, traditional=0, heads_per_thread=1, pos_scale=1.0,
-                                         mscale=1.0, pool_layout=1), grid=grid, threadgroup=group)
+                                         mscale=1.0, pool_layout=1, vec_width=1), grid=grid, threadgroup=group)
     q, k, v, pos, sl, kp, vp = inputs
     run = lambda: launcher.run(plan, [q, k, v, kp, vp, pos, sl, mx.array(rope.inv_freq())])
     if not mutant:

@@ -126,3 +126,33 @@ def test_qk_norm_rope_sanitizer_catches_a_missing_bound(emu_cache):
     args = make(2, 2, 2, 64, (4, 2, 64), "float32", [4, 0])
     with pytest.raises(SanitizerError, match=r"WRITE of 4 bytes at byte -?\d+ of buffer\([56]\) [kv]_pool"):
         qkn(lib, RopeConfig(64), NormConfig(1e-6))(*args, check_slots=False)
+
+
+@pytest.mark.parametrize("name, guard", [("kv_pool_store", " || (POOL_LAYOUT != 0 && pool_rows < 1)"),
+                                         ("qk_norm_rope_pool_fused", " && (POOL_LAYOUT == 0 || pool_rows > 0)")])
+@pytest.mark.parametrize("mutant", [False, True], ids=["kernel", "mutant"])
+def test_head_major_guard_against_zero_rows(emu_cache, kv_lib, qkn_lib, name, guard, mutant):
+    """Scalars that disagree (pool_size 4, pool_rows 0, head-major): the kernel writes nothing;
+    without its zero-rows guard it would divide by zero, which UBSan reports."""
+    from registry.kernels.qk_norm_rope_pool_fused import QkNormRopePoolFusedKernel
+    from registry.norm import NormConfig
+    from registry.rope import RopeConfig
+    from tests.test_qk_norm_rope_pool_fused import make
+
+    source = KV_SOURCE if name == "kv_pool_store" else QKN_SOURCE
+    lib = (kv_lib if name == "kv_pool_store" else qkn_lib) if not mutant else compile_source(
+        mutated(emu_cache, guard, "", source=source), emu_cache, include_dirs=[source.parent])
+    if name == "kv_pool_store":
+        kernel, args = emulated(KvPoolStoreKernel, lib, name), case(2, 2, 8, (2, 2, 0, 8), "float32", "float32", [0, 3])
+    else:
+        kernel = emulated(QkNormRopePoolFusedKernel, lib, name, (RopeConfig(8), NormConfig(1e-6)))
+        args = make(2, 2, 2, 8, (2, 2, 0, 8), "float32", [0, 3])
+    key, scalars, grid, group = kernel.launch_config(*args)
+    launcher = kernel._launcher
+    run = lambda: launcher.run(launcher.plan(key, dict(scalars, pool_size=4), grid=grid, threadgroup=group),
+                               kernel.launch_arrays(*args))
+    if not mutant:
+        assert run()[-1].shape == (2, 2, 0, 8)
+        return
+    with pytest.raises(SanitizerError, match="division by zero"):
+        run()

@@ -179,3 +179,16 @@ def test_checked_slots_and_positions(native_artifacts, native):
 def test_bad_norm_config():
     with pytest.raises(KernelArgumentError, match="norm must be a registry.norm.NormConfig, got float"):
         qk_norm_rope_pool_fused(*make(1, 1, 1, 8, (2, 1, 8), "float32", [0]), rope=RopeConfig(8), norm=1e-6)
+
+
+def test_inconsistent_head_major_scalars_never_divide_by_zero(native_artifacts):
+    rope, norm = RopeConfig(8), NormConfig(1e-6)
+    kernel = native_kernel(rope, norm)
+    args = make(2, 2, 2, 8, (2, 2, 0, 8), "float32", [0, 3])
+    key, scalars, grid, group = kernel.launch_config(*args)
+    out = kernel._launcher.run(kernel._launcher.plan(key, dict(scalars, pool_size=4), grid=grid, threadgroup=group),
+                               kernel.launch_arrays(*args))
+    mx.eval(out)
+    want = oracle(args, rope, norm)
+    np.testing.assert_allclose(to_np(out[1]), want[1], atol=2 * TOL["float32"], rtol=2 * TOL["float32"])
+    assert out[2].shape == (2, 2, 0, 8)
