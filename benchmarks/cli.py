@@ -83,6 +83,32 @@ def _merge(paths):
     return cells, info, " ; ".join(d.get("command", "?") for _, d in docs)
 
 
+def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_path, commit, no_check, other) -> None:
+    import json
+
+    from . import micro, runner
+
+    unused = [f"--{k.replace('_', '-')}" for k, v in other.items() if v]
+    if unused:
+        raise click.UsageError(f"--kernel {kernel}: {', '.join(unused)} apply to rope_pool_fused only")
+    if quick:
+        shapes, tokens, dtypes = shapes or QUICK["shapes"], tokens or QUICK["tokens"], dtypes or QUICK["dtypes"]
+    shapes, tokens, dtypes = shapes or list(SHAPES), tokens or list(TOKENS), dtypes or list(DTYPES)
+    info, command = runner.host_info(commit), _command()
+    click.echo(f"# {info['device']} ({info.get('gpu') or info.get('cpu') or info['platform']}), mlx {info['mlx']}, "
+               f"commit {info['commit']}; {kernel} vs MLX's ops, {layers} layers/step, median of >= {steps} steps; "
+               f"us per layer (whole step)", err=True)
+    click.echo(micro.HEADER)
+    cells = micro.run(kernel, shapes, tokens, dtypes, layers=layers, steps=steps, warmup=warmup,
+                      progress=lambda i, n, c: click.echo(micro.row(c)), check=not no_check)
+    info["matrix"] = dict(kernel=kernel, shapes=shapes, tokens=tokens, dtypes=dtypes, layers=layers, steps=steps,
+                          warmup=warmup)
+    if json_path:
+        json_path.write_text(json.dumps({"info": info, "command": command, "cells": [c.to_json() for c in cells]},
+                                        indent=1) + "\n")
+        click.echo(f"wrote {json_path}", err=True)
+
+
 @click.command("bench")
 @click.option("--quick", is_flag=True,
               help="A small matrix: llama-8b and phi-4-mini-partial, T in 1/32/512, bf16, all variants "
@@ -123,9 +149,13 @@ def _merge(paths):
 @click.option("--smoke", is_flag=True,
               help="--e2e: a seconds-long run (tiny-llama, batch 1 and 2, prompt 16, 4 tokens, 1 round; "
                    "filters given with it win).")
+@click.option("--kernel", type=click.Choice(["rope_pool_fused", "qk_norm_rope_pool_fused", "kv_pool_store"]),
+              default="rope_pool_fused", show_default=True,
+              help="Which kernel; the last two are micro benchmarks against the MLX ops they replace "
+                   "(benchmarks/micro.py: --shapes, --tokens, --dtypes, --layers, --steps, --warmup, --json apply).")
 def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
           from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
-          smoke) -> None:
+          smoke, kernel) -> None:
     """Per-layer time of RoPE + KV-pool store inside a multi-layer step, on the default device:
     the registry's fused kernel, MLX's own path, the seed's per-request loop, a trivial op, a copy.
     With --e2e: end-to-end decode tokens/s of real-size models (docs/benchmarks/README.md)."""
@@ -137,7 +167,7 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
     e2e_only = ("sizes", "batches", "prompts", "decode_tokens", "modes", "rounds", "pool_size", "smoke")
     flag = lambda name: "--" + name.replace("_", "-")
     if e2e:
-        bad = [flag(n) for n in micro_only if given(n)]
+        bad = [flag(n) for n in micro_only + ("kernel",) if given(n)]
         if bad:
             raise click.UsageError(f"{', '.join(bad)}: not options of --e2e (they configure the per-layer benchmark)")
         return _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, smoke, json_path,
@@ -145,6 +175,10 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
     bad = [flag(n) for n in e2e_only if given(n)]
     if bad:
         raise click.UsageError(f"{', '.join(bad)}: only with --e2e")
+    if kernel != "rope_pool_fused":
+        _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_path, commit, no_check,
+               other=dict(variants=variants, cases=cases, plot=plot_path, markdown=md_path, from_json=from_json))
+        return
 
     if from_json:
         if quick:

@@ -71,6 +71,33 @@ def cli() -> None:
     """Ahead-of-time kernel builds for mlx-aot-kernels (docs/build.md)."""
 
 
+@cli.command("env-table")
+@click.option("--write", is_flag=True, help="Rewrite the table in docs/env-vars.md instead of checking it.")
+@click.option("--file", "path", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="The markdown file holding the table (default: the checkout's docs/env-vars.md).")
+@MANIFEST_OPTION
+def env_table(write, path, manifest) -> None:
+    """Check (or --write) docs/env-vars.md's table against registry/envs.py and kernels.yaml."""
+    from registry import envs
+    from registry.paths import PROJECT_ROOT
+
+    m = _load(manifest)
+    path = path or PROJECT_ROOT / "docs" / "env-vars.md"
+    text = path.read_text()
+    if envs.table_in(text) is None:
+        _fail(f"{path}: the generated-table markers are missing ({envs.TABLE_BEGIN} ... {envs.TABLE_END})", 1)
+    want = envs.render_table(m.kernels)
+    if envs.table_in(text) == want:
+        click.echo(f"{path}: table up to date ({want.count(chr(10)) - 1} variables)")
+        return
+    if not write:
+        _fail(f"{path}: the table differs from registry/envs.py ENV_VARS and kernels.yaml's enable flags; "
+              f"run `python -m build_tools env-table --write`", 1)
+    head, rest = text.split(envs.TABLE_BEGIN, 1)
+    path.write_text(head + envs.TABLE_BEGIN + "\n" + want + "\n" + envs.TABLE_END + rest.split(envs.TABLE_END, 1)[1])
+    click.echo(f"{path}: table rewritten")
+
+
 @cli.command()
 @MANIFEST_OPTION
 def validate(manifest) -> None:

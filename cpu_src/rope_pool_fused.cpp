@@ -8,78 +8,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "aot_cpu.h"
+
 #define AOT_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
-inline uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// float16 by bit manipulation: x86-64 has no half arithmetic without -mf16c, and the compiler's
-// _Float16 conversions would be library calls per element (slower than MLX's own path). Exact:
-// subnormals, infinities and NaN are kept; stores round to nearest even. ARM has the conversions
-// in hardware, so there the compiler's type is used.
-struct F16 {
-  using storage = uint16_t;
-  static float load(storage h) {
-#if defined(__aarch64__)
-    _Float16 x;
-    std::memcpy(&x, &h, 2);
-    return static_cast<float>(x);
-#else
-    // Every case computed, one selected: branch-free, so the row loops vectorise.
-    const uint32_t magnitude = static_cast<uint32_t>(h & 0x7fffu) << 13;  // exponent + mantissa in fp32 place
-    const uint32_t exponent = magnitude & (0x1fu << 23);
-    const uint32_t normal = magnitude + (112u << 23);                     // rebias 15 -> 127
-    const uint32_t special = magnitude + (224u << 23);                    // inf / NaN: exponent all ones
-    const uint32_t subnormal = bits_of(float_of(magnitude + (113u << 23)) - float_of(113u << 23));  // exact
-    const uint32_t r = exponent == (0x1fu << 23) ? special : (exponent == 0 ? subnormal : normal);
-    return float_of(r | (static_cast<uint32_t>(h & 0x8000u) << 16));
-#endif
-  }
-  static storage store(float x) {
-#if defined(__aarch64__)
-    const _Float16 y = static_cast<_Float16>(x);
-    storage h;
-    std::memcpy(&h, &y, 2);
-    return h;
-#else
-    uint32_t u = bits_of(x);
-    const uint32_t sign = (u >> 16) & 0x8000u;
-    u &= 0x7fffffffu;
-    const uint32_t special = u > (255u << 23) ? 0x7e00u : 0x7c00u;          // NaN stays NaN, else inf
-    const uint32_t subnormal = bits_of(float_of(u) + float_of(126u << 23)) - (126u << 23);  // FPU rounds
-    const uint32_t normal = (u + 0xfffu + ((u >> 13) & 1u) - (112u << 23)) >> 13;  // nearest even
-    const uint32_t h = u >= (143u << 23) ? special : (u < (113u << 23) ? subnormal : normal);
-    return static_cast<storage>(h | sign);
-#endif
-  }
-};
-
-// bfloat16: the top half of an fp32, rounded to nearest even (NaN kept quiet), as MLX rounds.
-struct BF16 {
-  using storage = uint16_t;
-  static float load(storage x) { return float_of(static_cast<uint32_t>(x) << 16); }
-  static storage store(float f) {
-    const uint32_t bits = bits_of(f);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<storage>((bits >> 16) | 0x40);
-    return static_cast<storage>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  }
-};
-
-struct F32 {
-  using storage = float;
-  static float load(storage x) { return x; }
-  static storage store(float x) { return x; }
-};
+using aot_cpu::BF16;
+using aot_cpu::F16;
+using aot_cpu::F32;
 
 // One head's row: the rotary pairs, then the pass-through tail copied bit for bit. Half-split and
 // traditional pairing are separate loops so each walks memory linearly.
@@ -152,6 +89,7 @@ void run(void** args) {
   const float pos_scale = *static_cast<const float*>(args[19]);
   const float mscale = *static_cast<const float*>(args[20]);
   const bool head_major = *static_cast<const int32_t*>(args[21]) != 0;
+  // args[22] (vec_width) shapes CUDA launches only.
 
   const int half = rotary_dims / 2;
   std::vector<float> cs(half), sn(half);

@@ -4,37 +4,24 @@
 // q/k/v (T): the k_out / v values are converted on the store (store_pool).
 //
 // Work decomposition. A row (one head of one token) is split into units of W-element vectors
-// (W = 16 bytes / element size when the row layout allows it, else smaller, down to 1):
+// (W = vec_width, from the wrapper: 16 bytes / element size when the row layout allows it, else
+// smaller, down to 1):
 //   - rotary units: W pairs held in two W-vectors a and b; half-split: a = x[uW..], b = x[R/2 + uW..];
 //     traditional: a = x[2uW..], b = x[2uW + W..] (pairs adjacent inside each vector);
 //   - pass-through units: one W-vector of features [R, D), copied.
 // Thread (t, u, g): token t, unit u, head group g (HPT heads: q groups first, then kv groups).
 // cos/sin of the unit's W pairs are computed once and reused for the group's heads.
 // grid.x covers n_tokens * units, grid.y the head groups; every index is bounds-checked.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "aot_cuda.cuh"
 
 #include <type_traits>
 
 namespace {
 
-template <typename T> struct Cvt;
-template <> struct Cvt<__half> {
-  static __device__ __forceinline__ float load(__half x) { return __half2float(x); }
-  static __device__ __forceinline__ __half store(float x) { return __float2half_rn(x); }
-};
-template <> struct Cvt<__nv_bfloat16> {
-  static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
-};
-template <> struct Cvt<float> {
-  static __device__ __forceinline__ float load(float x) { return x; }
-  static __device__ __forceinline__ float store(float x) { return x; }
-};
-
-// A W-element vector moved with one aligned load/store (16 bytes for W * sizeof(T) == 16).
-template <typename T, int W> struct alignas(sizeof(T) * W) Vec { T v[W]; };
+using aot_cuda::Cvt;
+using aot_cuda::Vec;
 
 struct Params {
   int n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional, hpt;
@@ -169,30 +156,27 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   }
 }
 
-// The widest vector the row layout allows: rotary units span 2W elements and the pass-through tail
-// W-element vectors, all starting on multiples of W. W == 1 covers every even rotary_dims.
-template <typename T>
-__device__ __forceinline__ int pick_width(const Params& p) {
-  for (int w = 16 / static_cast<int>(sizeof(T)); w > 1; w /= 2) {
-    if (p.rotary_dims % (2 * w) == 0 && (p.head_dim - p.rotary_dims) % w == 0) return w;
-  }
-  return 1;
-}
-
-// The width follows the activations' type T (16-byte q/k/v accesses); the pool's accesses are
-// W * sizeof(P) bytes, at most 16 (store_pool), aligned likewise: every row starts on a multiple of
-// head_dim, which W divides.
+// W = vec_width comes from the wrapper (registry/kernels/rope_pool_fused.py cuda_vector_width, its one
+// source): the widest vector of the activations' type T (16-byte q/k/v accesses) such that rotary
+// units span 2W elements and the pass-through tail W-element vectors, all starting on multiples of W
+// (W == 1 covers every even rotary_dims). Only the widths switched on below exist; any other width,
+// or one the row layout cannot hold, launches nothing (tests/test_rope_pool_fused_geometry.py checks
+// the wrapper picks only these). The pool's accesses are W * sizeof(P) bytes, at most 16
+// (store_pool), aligned likewise: every row starts on a multiple of head_dim, which W divides.
 template <typename T, typename P>
 __device__ void dispatch(const T* q, const T* k, const T* v, T* q_out, T* k_out, P* k_pool, P* v_pool,
-                         const int32_t* positions, const int32_t* slots, const float* inv_freq, const Params& p) {
-  switch (pick_width<T>(p)) {
+                         const int32_t* positions, const int32_t* slots, const float* inv_freq, int vec_width,
+                         const Params& p) {
+  if (vec_width < 1 || p.rotary_dims % (2 * vec_width) || (p.head_dim - p.rotary_dims) % vec_width) return;
+  switch (vec_width) {
     case 8:
       if constexpr (sizeof(T) == 2)
         body<T, P, 8>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p);
       break;
     case 4: body<T, P, 4>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
     case 2: body<T, P, 2>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
-    default: body<T, P, 1>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
+    case 1: body<T, P, 1>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
+    default: break;
   }
 }
 
@@ -204,11 +188,11 @@ __device__ void dispatch(const T* q, const T* k, const T* v, T* q_out, T* k_out,
       const T* q, const T* k, const T* v, T* q_out, T* k_out, P* k_pool, P* v_pool,                      \
       const int32_t* positions, const int32_t* slots, const float* inv_freq, int n_tokens, int pool_size, \
       int pool_rows, int n_q_heads, int n_kv_heads, int head_dim, int rotary_dims, int traditional,      \
-      int heads_per_thread, float pos_scale, float mscale, int pool_layout) {                            \
+      int heads_per_thread, float pos_scale, float mscale, int pool_layout, int vec_width) {             \
     const Params p{n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims,         \
                    traditional, heads_per_thread < 1 ? 1 : heads_per_thread, pos_scale, mscale,           \
                    pool_layout};                                                                         \
-    dispatch<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p);                \
+    dispatch<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, vec_width, p);     \
   }
 
 ROPE_POOL_ENTRY(rope_pool_fused_f16, __half, __half)

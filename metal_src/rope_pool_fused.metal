@@ -27,6 +27,8 @@ constant int HEADS_PER_THREAD [[function_constant(5)]];
 constant float POS_SCALE [[function_constant(6)]];
 constant float MSCALE [[function_constant(7)]];
 constant int POOL_LAYOUT [[function_constant(8)]];
+// VEC_WIDTH shapes CUDA launches only (its vector width); declared so the indices match the ABI.
+constant int VEC_WIDTH [[function_constant(9)]];
 
 // Features a and b of a row. Adjacent pairs start on an even feature of a row of even length, so
 // the 2-element vector access is aligned (the emulator's UBSan checks it).

@@ -17,8 +17,11 @@ from . import envs as _envs
 from .core import KernelRegistry, KernelSet, SelectionContext, build_kernel_set, default_registry
 from .errors import (ArtifactError, EnvError, KernelArgumentError, ManifestError, MlxAotError,
                      NativeUnavailableError)
+from .kernels.kv_pool_store import kv_pool_store, kv_pool_store_reference
+from .kernels.qk_norm_rope_pool_fused import qk_norm_rope_pool_fused, qk_norm_rope_pool_fused_reference
 from .kernels.rope_pool_fused import rope_pool_fused, rope_pool_fused_reference
 from .manifest import KernelSpec, load_manifest
+from .norm import NormConfig, UnsupportedNorm, normalize_qk_norm
 from .rope import RopeConfig, UnsupportedRope, normalize_rope
 
 from ._version import __version__
@@ -29,5 +32,7 @@ if _level:
 
 __all__ = ["KernelRegistry", "KernelSet", "SelectionContext", "build_kernel_set", "default_registry",
            "ArtifactError", "EnvError", "KernelArgumentError", "ManifestError", "MlxAotError",
-           "NativeUnavailableError", "rope_pool_fused", "rope_pool_fused_reference", "KernelSpec",
-           "load_manifest", "RopeConfig", "UnsupportedRope", "normalize_rope", "__version__"]
+           "NativeUnavailableError", "rope_pool_fused", "rope_pool_fused_reference", "kv_pool_store",
+           "kv_pool_store_reference", "qk_norm_rope_pool_fused", "qk_norm_rope_pool_fused_reference", "KernelSpec",
+           "load_manifest", "RopeConfig", "UnsupportedRope", "normalize_rope", "NormConfig", "UnsupportedNorm",
+           "normalize_qk_norm", "__version__"]

@@ -24,6 +24,7 @@ import mlx.core as mx
 from . import envs
 from .errors import ManifestError
 from .manifest import KernelSpec, Manifest, hook_module_allowed, load_manifest
+from .norm import NormConfig, UnsupportedNorm, normalize_qk_norm
 from .rope import RopeConfig, UnsupportedRope, normalize_rope
 
 log = logging.getLogger("registry")
@@ -46,10 +47,14 @@ class SelectionContext:
     backend: str
     device: Any = field(default=None, compare=False)
     module: Any = field(default=None, compare=False, repr=False)
+    applies_rope: bool | None = None       # traced: whether the layer calls its rope; None: unknown
+    qk_norm: NormConfig | None = None      # per-head q/k RMSNorm feeding the RoPE, or None
+    qk_norm_error: str = "the attention has no per-head q/k norm"
 
     def as_mapping(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("attention", "rope", "rope_error", "n_heads", "n_kv_heads",
-                                              "head_dim", "dtype", "backend")}
+                                              "head_dim", "dtype", "backend", "applies_rope", "qk_norm",
+                                              "qk_norm_error")}
 
 
 def _first_attr(obj: Any, *names: str) -> Any:
@@ -122,9 +127,44 @@ def describe_attention(*, sample_attn: Any, n_kv_heads: int, head_dim: int, dtyp
             rope_error = str(e)
     if dtype is None:
         dtype = _module_dtype(sample_attn)
+    qk_norm, qk_norm_error = describe_qk_norm(sample_attn, head_dim) if layout == "mha" else (
+        None, "MLA attention: no per-head q/k norm")
     return SelectionContext(attention=layout, rope=rope, rope_error=rope_error, n_heads=n_heads,
                             n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=_dtype_name(dtype),
-                            backend=backend_of(device), device=device, module=sample_attn)
+                            backend=backend_of(device), device=device, module=sample_attn,
+                            qk_norm=qk_norm, qk_norm_error=qk_norm_error)
+
+
+# (q norm, k norm) attribute names of mlx-lm 0.32's attention modules.
+QK_NORM_ATTRS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
+
+
+def qk_norm_attrs(attn: Any) -> tuple[str, str] | None:
+    """The (q norm, k norm) attribute names of `attn`, when it has both."""
+    for qn, kn in QK_NORM_ATTRS:
+        if getattr(attn, qn, None) is not None and getattr(attn, kn, None) is not None:
+            return qn, kn
+    return None
+
+
+def qk_norm_modules(attn: Any) -> tuple[Any, Any] | None:
+    attrs = qk_norm_attrs(attn)
+    return None if attrs is None else (getattr(attn, attrs[0]), getattr(attn, attrs[1]))
+
+
+def describe_qk_norm(attn: Any, head_dim: int) -> tuple[NormConfig | None, str]:
+    """(the q/k norms' config, '') when both are per-head RMSNorms of one form and eps, else (None, why).
+    Read off the modules; whether the norm runs before the RoPE is the trace's to say (mlx_lm.py)."""
+    mods = qk_norm_modules(attn) if attn is not None else None
+    if mods is None:
+        return None, "the attention has no per-head q/k norm"
+    try:
+        cq, ck = (normalize_qk_norm(m, head_dim) for m in mods)
+    except UnsupportedNorm as e:
+        return None, f"q/k norm not fusable: {e}"
+    if (cq.eps, cq.weight_offset) != (ck.eps, ck.weight_offset):
+        return None, f"q and k norms differ (eps {cq.eps:g}/{ck.eps:g}, weight offset {cq.weight_offset:g}/{ck.weight_offset:g})"
+    return cq, ""
 
 
 # ----------------------------------------------------------------------------- kernel set

@@ -1,7 +1,8 @@
 """The one module that reads environment variables. Each variable is declared once in ENV_VARS
-(name, type, default, where it is read, what it does); docs/env-vars.md is checked against this
-table by tests/test_envs.py. Per-kernel enable flags are declared in kernels.yaml (`enable.env`)
-and parsed with `parse_flag` below, so they follow the same rules."""
+(name, type, default, where it is read, what it does); the table of docs/env-vars.md is generated
+from it and from kernels.yaml's enable flags (`render_table`; `python -m build_tools env-table
+--write` rewrites it, tests/test_envs.py checks it). Per-kernel enable flags are declared in
+kernels.yaml (`enable.env`) and parsed with `parse_flag` below, so they follow the same rules."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("MLX_AOT_LOCK_TIMEOUT", "float", "600", "build_tools/compiler.py",
            "Seconds `compile` waits for another process's build lock before failing with the lock path."),
     EnvVar("MLX_AOT_LOG_LEVEL", "level", None, "registry/__init__.py",
-           "Log level of the `registry` logger (DEBUG shows every rejection reason)."),
+           "Log level of the `registry` logger (`DEBUG` shows every rejection reason)."),
     EnvVar("MLX_AOT_DISABLE_NATIVE", "flag", "0", "registry/native.py",
            "Never load native artifacts; every kernel runs its reference path (for A/B checks)."),
     EnvVar("MLX_AOT_REQUIRE_NATIVE", "flag", "0", "registry/native.py",
@@ -41,6 +42,32 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "as `wrapper`/`check` (e.g. tests.toy_wrapper); unset: only registry.* modules."),
 )
 _BY_NAME = {v.name: v for v in ENV_VARS}
+_KIND_LABEL = {"flag": "flag", "path": "path", "float": "seconds", "level": "level", "list": "list"}
+TABLE_BEGIN = "<!-- generated from registry/envs.py and kernels.yaml: python -m build_tools env-table --write -->"
+TABLE_END = "<!-- end of generated table -->"
+
+
+def render_table(kernels) -> str:
+    """The markdown table of every variable: the kernels' enable flags (`kernels`: KernelSpecs, in
+    manifest order), then ENV_VARS."""
+    rows = ["| variable | kind | default | read in | what it does |", "|---|---|---|---|---|"]
+    for k in kernels:
+        what = k.description.split(". ")[0].rstrip(".")
+        rows.append(f"| `{k.enable.env}` | flag | {'on' if k.enable.default else 'off'} | kernels.yaml "
+                    f"(registry/core.py) | Enable flag of `{k.name}` ({what}). `0` turns it "
+                    f"off; `1` forces it on even where `prefer` (speed) says no, still subject to `requires` "
+                    f"(correctness). |")
+    for v in ENV_VARS:
+        default = ("on" if parse_flag(v.name, v.default, False) else "off") if v.kind == "flag" else (v.default or "unset")
+        rows.append(f"| `{v.name}` | {_KIND_LABEL[v.kind]} | {default} | {v.read_in} | {v.doc} |")
+    return "\n".join(rows)
+
+
+def table_in(text: str) -> str | None:
+    """The generated table of a docs/env-vars.md text (between the markers), or None without markers."""
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        return None
+    return text.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].strip("\n")
 
 
 def parse_flag(name: str, raw: str | None, default: bool) -> bool:

@@ -19,6 +19,7 @@ import string
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
+from .norm import NormConfig
 from .rope import RopeConfig
 
 # The documented selection context (docs/manifest.md): name -> what it holds.
@@ -31,9 +32,14 @@ CONTEXT_NAMES: dict[str, str] = {
     "head_dim": "per-head feature size",
     "dtype": "compute dtype name ('float16', 'bfloat16', 'float32') or None when unknown",
     "backend": "'cpu', 'cuda' or 'metal': where the kernel will run",
+    "applies_rope": "True when the layer rotates q/k through its rope module, False when it applies no RoPE "
+                    "(traced: NoPE layers, including ones that own an unused rope module), None when unknown",
+    "qk_norm": "the per-head q/k RMSNorm (NormConfig: eps, weight_offset, source) that feeds the RoPE, or None",
+    "qk_norm_error": "why `qk_norm` is None",
 }
 ATTRIBUTES: dict[str, frozenset[str]] = {
     "rope": frozenset(f.name for f in fields(RopeConfig)) | {"has_periods"},
+    "qk_norm": frozenset(f.name for f in fields(NormConfig)),
 }
 
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,

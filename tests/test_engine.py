@@ -142,6 +142,7 @@ def test_rejected_rope_runs_the_module_rope():
 
 def test_kernel_not_selected_runs_the_reference_path(monkeypatch):
     monkeypatch.setenv("MLX_AOT_ROPE_POOL_FUSED", "0")
+    monkeypatch.setenv("MLX_AOT_QK_NORM_ROPE_POOL_FUSED", "0")   # qwen3's q/k norm -> RoPE would take it
     engine = SlotEngine(model_of("qwen3"))
     assert {p.path for p in engine.plans.values()} == {"reference"}
     assert all("MLX_AOT_ROPE_POOL_FUSED=0" in p.reason for p in engine.plans.values())
@@ -281,7 +282,7 @@ def test_explain_names_each_layer_path():
     text = SlotEngine(model_of("cohere2 (sliding, NoPE global)")).explain()
     assert "decode batched" in text
     assert "layers 0,2 (Attention, window 8): fused: rope_pool_fused" in text
-    assert "layers 1,3 (Attention): module: pool scatter [the layer applies no RoPE]" in text
+    assert "layers 1,3 (Attention): module: kv_pool_store [the layer applies no RoPE]" in text
 
 
 def test_engine_command_runs():

@@ -56,16 +56,44 @@ def test_float_and_level_validation(monkeypatch):
 
 
 def test_docs_table_matches_code():
-    """docs/env-vars.md lists exactly the variables of envs.ENV_VARS and kernels.yaml, with 'read in'."""
+    """docs/env-vars.md's table is the one generated from envs.ENV_VARS and kernels.yaml."""
     from registry.manifest import load_manifest
 
     text = (PROJECT_ROOT / "docs" / "env-vars.md").read_text()
+    table = envs.table_in(text)
+    assert table is not None, "docs/env-vars.md: the generated-table markers are missing"
+    assert table == envs.render_table(load_manifest().kernels), (
+        "docs/env-vars.md is out of date with registry/envs.py and kernels.yaml: run "
+        "`python -m build_tools env-table --write` and commit docs/env-vars.md")
     documented = set(re.findall(r"^\| `([A-Z][A-Z0-9_]+)` \|", text, flags=re.M))
     declared = {v.name for v in envs.ENV_VARS} | {k.enable.env for k in load_manifest().kernels}
     assert documented == declared
     for v in envs.ENV_VARS:
         row = next(line for line in text.splitlines() if line.startswith(f"| `{v.name}` |"))
         assert v.read_in in row, f"docs/env-vars.md row for {v.name} must say it is read in {v.read_in}"
+
+
+def test_env_table_command_checks_and_rewrites(tmp_path):
+    """The generated table changes with the manifest: a new kernel's enable flag appears in it, and
+    the check fails naming the file and the command while the docs lag behind."""
+    from click.testing import CliRunner
+
+    from build_tools.cli import cli
+    from registry.manifest import load_manifest
+
+    kernels = load_manifest().kernels
+    fewer = envs.render_table(kernels[:1])
+    assert kernels[-1].enable.env in envs.render_table(kernels) and kernels[-1].enable.env not in fewer
+    doc = tmp_path / "env-vars.md"
+    doc.write_text(f"intro\n{envs.TABLE_BEGIN}\n{fewer}\n{envs.TABLE_END}\nafter\n")
+    result = CliRunner().invoke(cli, ["env-table", "--file", str(doc)])
+    assert result.exit_code == 1 and "env-vars.md: the table differs" in result.output
+    assert "python -m build_tools env-table --write" in result.output
+    result = CliRunner().invoke(cli, ["env-table", "--file", str(doc), "--write"])
+    assert result.exit_code == 0, result.output
+    text = doc.read_text()
+    assert envs.table_in(text) == envs.render_table(kernels) and text.startswith("intro") and text.endswith("after\n")
+    assert CliRunner().invoke(cli, ["env-table", "--file", str(doc)]).exit_code == 0
 
 
 def test_no_other_module_reads_environment_directly():

@@ -101,7 +101,7 @@ def test_trace_finds_attention_that_transforms_k_after_rope():
         assert config.layers == layers
         assert config.kernel_set.rope is not None            # the registry sees a fusable rope module ...
         assert "not the rope's output" in config.dataflow_error  # ... the trace sees why it cannot be
-        assert config.status.startswith("selected, but engines cannot fuse it here")
+        assert config.status.startswith("rope_pool_fused selected, but engines cannot fuse it here")
 
 
 class _QScaledAfterRope(nn.Module):

@@ -123,11 +123,11 @@ def test_rope_kernel_selected_for_plain_rope(monkeypatch, caplog):
     with caplog.at_level(logging.DEBUG, logger="registry"):
         kset = registry.build_kernel_set(sample_attn=Attn(nn.RoPE(32, traditional=True)), n_kv_heads=2,
                                          head_dim=64, dtype=mx.bfloat16)
-    assert kset.selected_kernel_names == ("rope_pool_fused",)
+    assert "rope_pool_fused" in kset.selected_kernel_names   # other kernels may be selected too
     assert kset.rope.rope.rotary_dims == 32 and kset.rope.rope.traditional
     assert kset.rope.implementation in (f"native-{backend_of(None)}", "reference")
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
-    assert len(infos) == 1 and "MLX AOT kernels selected: rope_pool_fused" in infos[0].getMessage()
+    assert len(infos) == 1 and "rope_pool_fused [" in infos[0].getMessage()
 
 
 def test_rope_kernel_rejections_explained(monkeypatch, caplog):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from registry.integrations.mlx_lm import import_mlx_lm_module as mlx_lm
-from registry.kernels.rope_pool_fused import _rotate
+from registry.kernels._rope import rotate as _rotate
 from registry.rope import RopeConfig, UnsupportedRope, normalize_rope
 from tests._oracle import rotate_numpy
 

@@ -115,16 +115,14 @@ def test_pools_beyond_int32_slots_are_refused_before_packing(make_kernel, shape,
 def test_inconsistent_head_major_scalars_never_divide_by_zero(native_artifacts):
     """A raw launch whose pool_size (4) disagrees with pool_rows (0): the kernel writes nothing
     rather than dividing by zero rows (SIGFPE on x86)."""
-    from registry.kernels.rope_pool_fused import _GEOMETRY
     rope = RopeConfig(64)
     kernel = native_kernel(rope)
     launcher = kernel._launcher
     q, k, v, pos, slots, kp, vp = make_case(2, 2, 2, 64, 0, "float32", [0, 3], batch=2)
-    geometry = _GEOMETRY.get(kernel.backend)   # the wrapper's launch geometry on GPUs; the CPU loops itself
-    grid, group = geometry(2, 2, 2, 64, 64, 1, 4) if geometry else ((1, 1, 1), (1, 1, 1))
-    plan = launcher.plan("float32", dict(n_tokens=2, pool_size=4, pool_rows=0, n_q_heads=2, n_kv_heads=2, head_dim=64,
-                                         rotary_dims=64, traditional=0, heads_per_thread=1, pos_scale=1.0,
-                                         mscale=1.0, pool_layout=1), grid=grid, threadgroup=group)
+    # The wrapper's own launch (geometry, every scalar), with pool_size made to disagree with pool_rows.
+    key, scalars, grid, group = kernel.launch_config(q, k, v, pos, slots, kp, vp)
+    assert (scalars["pool_rows"], scalars["pool_layout"]) == (0, 1)
+    plan = launcher.plan(key, dict(scalars, pool_size=4), grid=grid, threadgroup=group)
     out = launcher.run(plan, [q, k, v, kp, vp, pos, slots, mx.array(rope.inv_freq())])
     mx.eval(out)
     np.testing.assert_allclose(to_np(out[1]), rope_pool_numpy(*[to_np(a) for a in (q, k, v, pos, slots, kp, vp)],

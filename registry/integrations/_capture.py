@@ -94,6 +94,29 @@ class CountingRope:
         return self.rope(x, *args, **kwargs)
 
 
+class NormBypass:
+    """Stands in for an attention's q or k norm during one forward of a layer whose norm the kernel
+    applies (qk_norm_rope_pool_fused): returns its input unchanged, so the rope capture records the
+    un-normalised q/k, and counts its calls. Only valid where the trace showed norm -> RoPE -> cache
+    with nothing but layout changes between the norm and the rope (mlx_lm.trace_attention)."""
+
+    def __init__(self, norm: Any):
+        self.norm = norm
+        self.calls = 0
+
+    @property
+    def rope(self) -> Any:
+        """The module to put back after the forward (the slot engine restores every hook's `rope`)."""
+        return self.norm
+
+    def reset(self) -> None:
+        self.calls = 0
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self.calls += 1
+        return x
+
+
 def resolve(call: RopeCall, value: mx.array) -> None:
     """Give the attention's placeholder its value (the same array object, rebound in place)."""
     call.ph[...] = value

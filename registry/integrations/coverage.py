@@ -109,6 +109,39 @@ ARCHS: dict[str, dict] = {
     "telechat3": dict(TINY, model_type="telechat3", rope_theta=10000.0),
     "hunyuan_v1_dense (q/k norm after RoPE)": dict(TINY, model_type="hunyuan_v1_dense", use_qk_norm=True,
                                                     rope_theta=10000.0),
+    # --- per-head q/k norm -> RoPE -> cache: qk_norm_rope_pool_fused (qwen3, qwen3_moe, gemma3, exaone4,
+    # apertus, lfm2 and qwen3_next above too); across heads or not an RMSNorm: rope_pool_fused only
+    "glm4_moe (q/k norm, partial)": dict(TINY, model_type="glm4_moe", head_dim=16, moe_intermediate_size=32,
+                                         norm_topk_prob=True, n_group=1, topk_group=1, n_shared_experts=1,
+                                         n_routed_experts=4, routed_scaling_factor=1.0, num_experts_per_tok=2,
+                                         first_k_dense_replace=1, rope_theta=10000.0, rope_scaling=None,
+                                         use_qk_norm=True, tie_word_embeddings=False, attention_bias=False,
+                                         partial_rotary_factor=0.5),
+    "dots1": dict(TINY, model_type="dots1", head_dim=16, first_k_dense_replace=1, moe_intermediate_size=32,
+                  n_routed_experts=4, n_shared_experts=1, norm_topk_prob=True, num_experts_per_tok=2,
+                  rope_theta=10000.0, routed_scaling_factor=1.0),
+    "plamo3 (1 + w q/k norm)": dict(model_type="plamo3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
+                                    rms_norm_eps=1e-5),
+    "step3p5 (zero-centred q/k norm)": dict(model_type="step3p5", hidden_size=64, num_hidden_layers=2, vocab_size=256,
+                                            num_attention_heads=4, num_attention_groups=2, head_dim=16,
+                                            intermediate_size=128),
+    "bailing_moe (q/k norm)": dict(TINY, **_MOE, model_type="bailing_moe", num_shared_experts=1, norm_topk_prob=True,
+                                   rope_theta=10000.0, first_k_dense_replace=1, use_qk_norm=True),
+    "Klear": dict(TINY, model_type="Klear", attention_bias=False, mlp_only_layers=[], num_experts=4,
+                  num_experts_per_tok=2, decoder_sparse_step=1, n_shared_experts=1, moe_intermediate_size=32,
+                  rope_theta=10000.0, norm_topk_prob=True),
+    "openelm (q/k norm)": dict(model_type="openelm", head_dim=16, num_transformer_layers=2, model_dim=64,
+                               vocab_size=256, ffn_dim_divisor=16, num_query_heads=[4, 4], num_kv_heads=[2, 2],
+                               ffn_multipliers=[1.0, 1.0], normalize_qk_projections=True),
+    "afmoe (q/k norm, NoPE global)": dict(TINY, model_type="afmoe", layer_types=["sliding_attention", "full_attention"]),
+    "laguna": dict(TINY, model_type="laguna"),
+    "minimax (q/k norm across heads)": dict(TINY, model_type="minimax", num_experts_per_tok=2, num_local_experts=4,
+                                            shared_intermediate_size=32, rope_theta=10000.0, rotary_dim=16,
+                                            use_qk_norm=True),
+    "cohere (q/k LayerNorm)": dict(TINY, model_type="cohere", head_dim=16, layer_norm_eps=1e-5, use_qk_norm=True),
+    "stablelm (q/k LayerNorm)": dict(TINY, model_type="stablelm", layer_norm_eps=1e-5, use_qkv_bias=False,
+                                     partial_rotary_factor=0.25, rope_theta=10000.0, qk_layernorm=True),
     "gptj (rotated slice)": dict(model_type="gptj", n_embd=64, n_head=4, n_layer=2, n_positions=4096,
                                  rotary_dim=8, vocab_size=256, layer_norm_epsilon=1e-5),
     "nanochat (function RoPE)": dict(TINY, model_type="nanochat", num_key_value_heads=4),
@@ -127,12 +160,12 @@ def arch_vocab(cfg: dict) -> int:
 
 
 def _engine_column(plan, batch_reason: str) -> str:
-    text = "fused" if plan.path == "fused" else f"{plan.what} ({plan.reason})"
+    text = f"fused: {plan.what}" if plan.path == "fused" else f"{plan.what} ({plan.reason})"
     return text + (f"; decode one request at a time ({batch_reason})" if batch_reason else "")
 
 
 def coverage_rows() -> list[tuple[str, ...]]:
-    """(architecture, layers, attention, heads/kv/head_dim, rope, registry, slot engine) per layer config."""
+    """(architecture, layers, attention, heads/kv/head_dim, rope, kernel, slot engine) per layer config."""
     import mlx.core as mx
 
     from .mlx_lm import build_kernel_sets, build_model, ranges
@@ -155,12 +188,7 @@ def coverage_rows() -> list[tuple[str, ...]]:
         for c in kernels.configs:
             dims = f"{c.n_heads}/{c.n_kv_heads}/{c.head_dim}" + (f" (v {c.v_head_dim})" if c.v_head_dim != c.head_dim
                                                                    else "")
-            if c.applies_rope is False:
-                registry = "not applicable: the layer applies no RoPE (NoPE)"
-            elif c.kernel_set.rope is None:
-                registry = f"rejected: {c.kernel_set.rejections.get('rope_pool_fused', 'not selected')}"
-            else:
-                registry = "selected"
+            registry = c.status
             if engine is None:
                 eng = "not supported: " + unsupported.split(": ", 1)[1]
             else:
@@ -187,12 +215,31 @@ are read off the q/k/v arrays, NoPE layers are those that never call their rope,
 attention reads q or k between RoPE and the cache write cannot be fused by an engine that drives
 the model's own attention code.
 
-- **rope_pool_fused**: the registry's decision (kernels.yaml) for the layer's attention module.
+- **kernel**: which kernel the registry selects (kernels.yaml) for the layer's RoPE and cache write:
+  `qk_norm_rope_pool_fused` where the attention runs a per-head q/k RMSNorm right before its RoPE
+  (checked by the trace), else `rope_pool_fused`, else why not; `kv_pool_store` for the cache write
+  of layers that apply no RoPE or rotate with their own code.
 - **slot engine**: what `registry.integrations.slot_engine.SlotEngine` runs for those layers
-  (docs/engine.md): `fused` (one kernel call: q/k RoPE + both pool writes), `reference path`
-  (registry.rope_pool_fused_reference), or the module's own rope and a plain pool scatter.
+  (docs/engine.md): `fused: <kernel>` (one call: q/k norm and/or RoPE + both pool writes),
+  `rope_pool_fused_reference` (pure MLX), or the module's own rope (if any) and `kv_pool_store` or a
+  plain pool scatter for the cache write.
 
-| architecture | layers | attention | heads/kv/head_dim | RoPE (normalised) | rope_pool_fused | slot engine |
+Left out of `qk_norm_rope_pool_fused` (they get `rope_pool_fused` after the model's own norm, or the
+module path), with the reason the table gives:
+- q/k normalised **across heads** (one RMSNorm over `n_heads * head_dim` before the head split):
+  olmo2, olmoe, olmo3, olmo_hybrid, minimax. The kernel normalises one head row; a norm across heads
+  needs a reduction over a token's heads, another kernel.
+- q/k normalised **after RoPE**: hunyuan_v1_dense and hunyuan (norm after the rope), afm7
+  (`q_norm(rope(q))`). The engine cannot rotate at the cache write at all there (the trace sees q/k
+  read between RoPE and the cache write), so even rope_pool_fused does not run; the module's rope and
+  `kv_pool_store` do.
+- **LayerNorm**, not RMSNorm (mean subtraction, a bias or a [heads, head_dim] weight): cohere
+  (`LayerNorm2D`), stablelm (`LayerNormPerHead`).
+- Not in the table (no small config here yet): gemma3n and gemma4_text (per-head norm -> RoPE, but
+  layers that share another layer's KV skip the k norm), bailing_hybrid, exaone_moe, gear, mellum,
+  lfm2_moe, hunyuan, afm7.
+
+| architecture | layers | attention | heads/kv/head_dim | RoPE (normalised) | kernel | slot engine |
 |---|---|---|---|---|---|---|
 """
 

@@ -17,6 +17,7 @@ fails only the model modules (which need just mlx) are loaded, through a bare pa
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -26,8 +27,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..core import KernelRegistry, KernelSet, default_registry, describe_attention
-from ._capture import CountingRope, DataflowError, RopeCapture, resolve_with_module_rope
+from ..core import KernelRegistry, KernelSet, default_registry, describe_attention, describe_qk_norm, qk_norm_attrs
+from ._capture import CountingRope, DataflowError, NormBypass, RopeCapture, resolve, resolve_with_module_rope
 
 # An excerpt of mlx_lm.utils.MODEL_REMAPPING (importing mlx_lm.utils needs transformers).
 MODEL_REMAPPING = {"mistral": "llama", "iquestcoder": "llama", "xverse": "llama"}
@@ -190,11 +191,11 @@ def attention_dims(attn) -> tuple[int, int, int]:
     """(n_heads, n_kv_heads, head_dim) from attributes. head_dim falls back to k_proj's output /
     kv heads (q_proj can be twice as wide, e.g. qwen3_next's gated query), then to a fused qkv
     projection's output / (heads + 2 kv heads), then q_proj's output / heads."""
-    n_heads = _first(attn, "n_heads", "num_heads", "num_attention_heads", "n_head")
+    n_heads = _first(attn, "n_heads", "num_heads", "num_attention_heads", "n_head", "q_num_heads")
     if n_heads is None:
         raise ValueError(f"{type(attn).__name__}: no n_heads/num_heads/num_attention_heads attribute")
-    n_kv = _first(attn, "n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head") or n_heads
-    head_dim = _first(attn, "head_dim", "head_size")
+    n_kv = _first(attn, "n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head", "k_num_heads") or n_heads
+    head_dim = _first(attn, "head_dim", "head_size", "qk_dim")
     if head_dim is None:
         k_out = _out_features(getattr(attn, "k_proj", None))
         fused = next((f for n in ("qkv_proj", "query_key_value", "wqkv", "c_attn")
@@ -224,14 +225,17 @@ class AttentionTrace:
     v_head_dim: int
     dtype: str
     dataflow_error: str = ""           # why q/k cannot be rotated at cache-write time ("" = they can)
+    qk_norm_fusable: bool = False      # q/k run per-head norm -> RoPE -> cache: the norm can move to the kernel
+    qk_norm_error: str = ""            # why not, for a layer whose q/k norms are per-head RMSNorms
 
 
 class _TraceCache:
     """Wraps one mlx-lm KV cache during tracing: resolves the captured q/k with the module's own
     rope (so the forward stays exact) and records what reached update_and_fetch."""
 
-    def __init__(self, inner, hook, layer: int, sink: dict):
+    def __init__(self, inner, hook, layer: int, sink: dict, norms: tuple | None = None):
         self._inner, self._hook, self._layer, self._sink = inner, hook, layer, sink
+        self._norms = norms                           # (q norm, k norm) bypassed in this run
 
     def __getattr__(self, name):                     # offset, make_mask, state, ... of the real cache
         return getattr(self._inner, name)
@@ -251,6 +255,11 @@ class _TraceCache:
                     rec["errors"].append(f"q, k and v dtypes differ ({', '.join(sorted(dtypes))})")
             except DataflowError as e:
                 rec["errors"].append(str(e))
+            else:
+                if self._norms is not None:           # the norm the kernel would apply, then the module's rope
+                    for call, norm in ((q_call, self._norms[0]), (k_call, self._norms[1])):
+                        resolve(call, hook.rope(norm(call.x), *call.args, **call.kwargs))
+                    hook.calls = []
             keys = resolve_with_module_rope(hook, keys)
         elif hook is not None:
             hook.reset()
@@ -268,13 +277,17 @@ def _wrap_entry(entry, path, wrapper):
     return type(entry)(*subs)
 
 
-def _trace_run(model, attn_layers: dict[int, Any], captured: set[int]) -> tuple[dict, bool]:
+def _trace_run(model, attn_layers: dict[int, Any], captured: set[int],
+               bypass: set[int] = frozenset()) -> tuple[dict, bool, list]:
     """Prefill 4 tokens then decode 1 with fresh mlx-lm caches; layers in `captured` get a
-    RopeCapture (NaN placeholders resolved at the cache write), the others their own rope.
-    Returns (per-layer records, whether every logit was finite)."""
+    RopeCapture (NaN placeholders resolved at the cache write), the others their own rope. Layers in
+    `bypass` (a subset of `captured`) also skip their q/k norms, which the cache write applies before
+    the module's rope, as qk_norm_rope_pool_fused would. Returns (per-layer records, whether every
+    logit was finite, the logits of both forwards)."""
     own = make_own_cache(model)
     sink: dict[int, dict] = {}
     hooks = []
+    norm_hooks = []
     caches = list(own)
     for i, attn in attn_layers.items():
         attr = rope_attr(attn)
@@ -283,27 +296,39 @@ def _trace_run(model, attn_layers: dict[int, Any], captured: set[int]) -> tuple[
             rope = getattr(attn, attr)
             hook = RopeCapture(rope) if i in captured else CountingRope(rope)
             hooks.append((i, attn, attr, hook))
+        norms = None
+        if i in bypass:
+            names = qk_norm_attrs(attn)
+            norms = tuple(getattr(attn, n) for n in names)
+            norm_hooks += [(i, attn, n, NormBypass(m)) for n, m in zip(names, norms)]
         path = kv_cache_path(own[i])
-        caches[i] = _wrap_entry(own[i], path, _TraceCache(cache_at(own[i], path), hook, i, sink))
+        caches[i] = _wrap_entry(own[i], path, _TraceCache(cache_at(own[i], path), hook, i, sink, norms))
     finite = True
+    outputs = []
     try:
-        for _, attn, attr, hook in hooks:
+        for _, attn, attr, hook in hooks + norm_hooks:
             setattr(attn, attr, hook)
         for tokens in ([[1, 2, 3, 4]], [[5]]):
-            for *_, hook in hooks:
+            for *_, hook in hooks + norm_hooks:
                 hook.reset()
             logits = model(mx.array(tokens, dtype=mx.int32), cache=caches)
             mx.eval(logits)
+            outputs.append(logits)
             finite = finite and bool(mx.all(mx.isfinite(logits)).item())
             for i, _, _, hook in hooks:
                 if hook.calls:     # rope was called but the cache never written: q/k never resolved
                     rec = sink.setdefault(i, {"calls": set(), "errors": [], "shapes": None})
                     rec["errors"].append(f"the attention called its rope {len(hook.calls)} times "
                                          f"without writing the cache")
+            for i, _, name, hook in norm_hooks:
+                if hook.calls != 1:
+                    rec = sink.setdefault(i, {"calls": set(), "errors": [], "shapes": None})
+                    rec.setdefault("norm_errors", []).append(f"the attention calls its {name} {hook.calls} times "
+                                                             f"per forward (expected 1)")
     finally:
-        for _, attn, attr, hook in hooks:
+        for _, attn, attr, hook in hooks + norm_hooks:
             setattr(attn, attr, hook.rope)
-    return sink, finite
+    return sink, finite, outputs
 
 
 def trace_attention(model, attn_layers: dict[int, Any] | None = None) -> dict[int, AttentionTrace]:
@@ -314,11 +339,12 @@ def trace_attention(model, attn_layers: dict[int, Any] | None = None) -> dict[in
     q_shapes: dict[int, tuple] = {}
 
     def run(captured: set[int]) -> tuple[dict, bool]:
-        sink, finite = _trace_run(model, attn_layers, captured)
+        sink, finite, _ = _trace_run(model, attn_layers, captured)
         q_shapes.update({i: r["q_shape"] for i, r in sink.items() if r.get("q_shape") is not None})
         return sink, finite
 
-    sink, finite = run(set())
+    own_sink, finite, own_logits = _trace_run(model, attn_layers, set())
+    sink = own_sink
     if not finite:
         raise ValueError(f"{type(model).__name__}: the model's own forward gives non-finite logits; "
                          f"cannot trace its attention layers")
@@ -338,10 +364,7 @@ def trace_attention(model, attn_layers: dict[int, Any] | None = None) -> dict[in
         if not new:
             break
     if not finite:
-        by_class: dict[str, set[int]] = {}
-        for i in candidates - set(errors):
-            by_class.setdefault(type(attn_layers[i]).__name__, set()).add(i)
-        for layers in by_class.values():
+        for layers in _by_class(attn_layers, candidates - set(errors)).values():
             if not run(layers)[1]:
                 for i in layers:
                     errors[i] = ("the attention reads q or k between its rope call and cache.update_and_fetch "
@@ -349,6 +372,7 @@ def trace_attention(model, attn_layers: dict[int, Any] | None = None) -> dict[in
         if not run(candidates - set(errors))[1]:
             for i in candidates - set(errors):
                 errors[i] = "capturing this layer's rope makes the logits non-finite"
+    norm_errors = _trace_qk_norms(model, attn_layers, candidates - set(errors), own_sink, own_logits)
     traces = {}
     for i, attn in attn_layers.items():
         rec = sink.get(i)
@@ -359,8 +383,58 @@ def trace_attention(model, attn_layers: dict[int, Any] | None = None) -> dict[in
         traces[i] = AttentionTrace(
             rope_calls=max(calls[i]) if calls.get(i) else None, n_heads=int(q_shape[1]) if q_shape is not None else None,
             n_kv_heads=int(k_shape[1]), head_dim=int(k_shape[-1]), v_head_dim=int(v_shape[-1]),
-            dtype=str(dtype).replace("mlx.core.", ""), dataflow_error=errors.get(i, ""))
+            dtype=str(dtype).replace("mlx.core.", ""), dataflow_error=errors.get(i, ""),
+            qk_norm_fusable=norm_errors.get(i) == "", qk_norm_error=norm_errors.get(i) or "")
     return traces
+
+
+def _trace_qk_norms(model, attn_layers: dict[int, Any], capturable: set[int], own_sink: dict,
+                    own_logits: list) -> dict[int, str]:
+    """{layer: '' (its q/k run per-head norm -> RoPE -> cache) or why not} for the capturable layers
+    whose q/k norms are per-head RMSNorms. Checked, not assumed: the layers run with their norms
+    skipped and applied at the cache write right before the module's rope; the logits must equal the
+    model's own (a norm across heads, after RoPE, or anything computed between norm and rope but a
+    layout change would change them), and each norm must run once per forward."""
+    cands = set()
+    for i in capturable:
+        shapes = own_sink.get(i, {}).get("shapes")
+        if shapes is not None and describe_qk_norm(attn_layers[i], int(shapes[0][-1]))[0] is not None:
+            cands.add(i)
+
+    def agrees(layers: set[int]) -> tuple[bool, dict]:
+        sink, finite, logits = _trace_run(model, attn_layers, capturable, bypass=layers)
+        same = finite and all(bool(mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=1e-3,
+                                               atol=1e-3 * (float(mx.abs(b).max().item()) + 1e-6)).item())
+                              for a, b in zip(logits, own_logits))
+        return same, sink
+
+    out: dict[int, str] = {}
+    if not cands:
+        return out
+    ok, sink = agrees(cands)
+    groups = [cands] if ok else list(_by_class(attn_layers, cands).values())
+    for layers in groups:
+        if not ok:
+            ok_group, sink = agrees(layers)
+        else:
+            ok_group = True
+        for i in layers:
+            calls = sink.get(i, {}).get("norm_errors")
+            if calls:
+                out[i] = calls[0]
+            elif not ok_group:
+                out[i] = ("the attention does not run per-head norm -> RoPE -> cache on q and k (applying its "
+                          "norms right before its rope changes the logits)")
+            else:
+                out[i] = ""
+    return out
+
+
+def _by_class(attn_layers: dict[int, Any], layers: set[int]) -> dict[str, set[int]]:
+    by_class: dict[str, set[int]] = {}
+    for i in sorted(layers):
+        by_class.setdefault(type(attn_layers[i]).__name__, set()).add(i)
+    return by_class
 
 
 # ----------------------------------------------------------------------------- kernel sets per layer config
@@ -386,15 +460,22 @@ class LayerConfig:
 
     @property
     def status(self) -> str:
-        """One line: can the fused kernel serve these layers, and if not, why."""
+        """One line: which kernel serves these layers' RoPE and cache write, and if none, why."""
         ks = self.kernel_set
+        store = "kv_pool_store" if getattr(ks, "kv_store", None) is not None else ""
         if self.applies_rope is False:
-            return "not applicable: the layer applies no RoPE through a rope module (NoPE)"
-        if ks.rope is None:
-            return f"rejected: {ks.rejections.get('rope_pool_fused', 'not selected')}"
-        if self.dataflow_error:
-            return f"selected, but engines cannot fuse it here: {self.dataflow_error}"
-        return "selected"
+            return "no RoPE (NoPE)" + (f": {store}" if store else "")
+        if self.dataflow_error and (ks.rope is not None or ks.qk_norm_rope is not None):
+            return (f"{'qk_norm_rope_pool_fused' if ks.qk_norm_rope is not None else 'rope_pool_fused'} selected, "
+                    f"but engines cannot fuse it here: {self.dataflow_error}"
+                    + (f"; {store} for the cache write" if store else ""))
+        if ks.qk_norm_rope is not None:
+            return "qk_norm_rope_pool_fused (q/k norm + RoPE + cache write)"
+        if ks.rope is not None:
+            return "rope_pool_fused" + ("" if ks.context.qk_norm_error.startswith("the attention has no")
+                                        else f" (q/k norm not fused: {ks.rejections.get('qk_norm_rope_pool_fused')})")
+        return (f"rejected: {ks.rejections.get('rope_pool_fused', 'not selected')}"
+                + (f"; {store} for the cache write" if store else ""))
 
 
 @dataclass
@@ -499,11 +580,17 @@ def build_kernel_sets(model, *, registry: KernelRegistry | None = None, dtype=No
         attr = rope_attr(attn)
         if attr is not None and type(getattr(attn, attr)).__name__ == "NoPE":
             applies = False            # smollm3's NoPE layers: an identity rope module
+        ctx = dataclasses.replace(ctx, applies_rope=applies)
+        if t is not None and ctx.qk_norm is not None and not t.qk_norm_fusable:
+            # The modules are per-head RMSNorms, but the traced data flow does not put them right
+            # before the RoPE: no kernel may apply them.
+            ctx = dataclasses.replace(ctx, qk_norm=None, qk_norm_error=(
+                t.qk_norm_error or t.dataflow_error or "the layer's q/k cannot be captured at the cache write"))
         flow = "" if t is None else t.dataflow_error
         if not cache_error and head_dim != v_head_dim:
             flow = flow or f"keys and values differ in head_dim ({head_dim} vs {v_head_dim})"
         key = (type(attn).__name__, n_heads, n_kv, head_dim, v_head_dim, ctx.attention, ctx.rope,
-               ctx.rope_error, ctx.dtype, applies, flow, window, cache_error)
+               ctx.rope_error, ctx.qk_norm, ctx.qk_norm_error, ctx.dtype, applies, flow, window, cache_error)
         if key not in groups:
             kset = registry.build_for_context(ctx)
             groups[key] = LayerConfig([], type(attn).__name__, n_heads, n_kv, head_dim, v_head_dim,
@@ -516,4 +603,4 @@ def build_kernel_sets(model, *, registry: KernelRegistry | None = None, dtype=No
 
 
 def _static_heads(attn) -> int | None:
-    return _first(attn, "n_heads", "num_heads", "num_attention_heads", "n_head")
+    return _first(attn, "n_heads", "num_heads", "num_attention_heads", "n_head", "q_num_heads")

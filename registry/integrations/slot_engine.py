@@ -6,15 +6,18 @@ prefill writes its prompt's K/V into fresh slots, every decode step batches the 
 slots through a padded slot table with a causal / sliding-window / padding mask. Finished requests
 give their slots back; new requests join at the next step (continuous batching).
 
-The model's own code runs everything (embeddings, norms, projections, q/k norms, gates, soft-caps,
-MLP, head); only the attention's rope, cache write and cache read are the engine's. Per layer:
-  - fused:     the kernel set's `rope`, one call: q and k rotation plus both pool stores
-               (the q/k capture of `_capture.py`);
+The model's own code runs everything (embeddings, norms, projections, gates, soft-caps, MLP, head);
+only the attention's rope, cache write and cache read are the engine's, and the per-head q/k norms
+where the trace shows norm -> RoPE -> cache. Per layer (LayerPlan):
+  - fused:     one kernel call (the q/k capture of `_capture.py`): the kernel set's `qk_norm_rope`
+               (q/k norm, rotation and both pool stores; the norms bypassed in the forward) where
+               selected, else its `rope` (rotation plus both pool stores);
   - reference: registry.rope_pool_fused_reference, the same single call in pure MLX, where the
                kernel is not selected but the RoPE is expressible (or mode="reference");
-  - module:    the module's own rope at per-request positions, then a plain scatter into the pools,
-               where the RoPE cannot be fused (DynamicNTKScalingRoPE), the attention's data flow does
-               not allow it (q/k normed after RoPE), the layer applies no RoPE, or mode="module".
+  - module:    the module's own rope (if any) at per-request positions, then the kernel set's
+               `kv_store` (kv_pool_store) into the pools, or a plain scatter (mode="module", or not
+               selected), where the RoPE cannot be fused (DynamicNTKScalingRoPE), the attention's data
+               flow does not allow it (q/k normed after RoPE), or the layer applies no RoPE.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import numpy as np
 
 from ..errors import MlxAotError
 from ..kernels.rope_pool_fused import rope_pool_fused_reference
-from ._capture import DataflowError, RopeCapture, resolve
+from ..core import qk_norm_attrs
+from ._capture import DataflowError, NormBypass, RopeCapture, resolve
 from .mlx_lm import (ModelKernels, build_kernel_sets, find_attention_layers, kv_cache_path, make_own_cache,
                      ranges, rope_attr)
 
@@ -61,14 +65,18 @@ class LayerPlan:
     call: Callable | None              # (q, k, v, positions, slots, k_pool, v_pool) -> 4-tuple
     window: int | None
     rotates: bool = True               # module path: whether the attention rotates through a rope module
+    kernel: str = "rope_pool_fused"    # fused path: the kernel of the call
+    store: Callable | None = None      # module path: kv_pool_store (k, v, slots, k_pool, v_pool) -> pools; None: scatter
+    norms: tuple = ()                  # (attribute, module) of q/k norms the kernel applies (bypassed in forwards)
 
     @property
     def what(self) -> str:
         if self.path == "fused":
-            return "rope_pool_fused"
+            return self.kernel
         if self.path == "reference":
             return "rope_pool_fused_reference (pure MLX)"
-        return "module rope + pool scatter" if self.rotates else "pool scatter"
+        write = "kv_pool_store" if self.store is not None else "pool scatter"
+        return f"module rope + {write}" if self.rotates else write
 
 
 @dataclass
@@ -164,6 +172,9 @@ class PoolCache:
             resolve(q_call, q_rot.reshape(B, L, Hq, D).transpose(0, 2, 1, 3))
             # Free unless the attention reads its own rotated keys after the write.
             resolve(k_call, k_rot.reshape(B, L, Hkv, D).transpose(0, 2, 1, 3))
+        elif self.plan.store is not None:          # keys rotated (or not) by the module: kv_pool_store
+            self.k_pool, self.v_pool = self.plan.store(self._tokens(keys), self._tokens(values), ctx.slots,
+                                                       self.k_pool, self.v_pool)
         else:                                      # keys were rotated (or not) by the module itself
             self.k_pool[ctx.slots] = self._tokens(keys)
             self.v_pool[ctx.slots] = self._tokens(values)
@@ -228,6 +239,8 @@ class SlotEngine:
             hook = RopeCapture(rope) if plan.call is not None else (ModuleRope(self, rope) if rope is not None else None)
             if hook is not None:
                 self.hooks[i] = (attn, attr, hook)
+            for name, norm in plan.norms:        # q/k norms the plan's kernel applies: identity in forwards
+                self.hooks[(i, name)] = (attn, name, NormBypass(norm))
             self.pools[i] = PoolCache(self, plan, hook, pool_size)
         # Layers whose own caches hold per-request state (recurrent layers, or the state half of a
         # falcon_h1-style CacheList): each request gets its own, batched by merging along B.
@@ -262,33 +275,49 @@ class SlotEngine:
             raise UnsupportedModelError(f"{type(self.model).__name__}: " + "; ".join(problems))
 
     def _plan(self, i: int) -> LayerPlan:
+        """The layer's path and kernel: qk_norm_rope_pool_fused where the trace shows per-head norm ->
+        RoPE -> cache, else rope_pool_fused, else its reference; where the model rotates (or does not)
+        by itself, kv_pool_store for the cache write (a plain scatter in mode='module' or without it)."""
         c = self.kernels.config_of[i]
         ks, ctx = c.kernel_set, c.kernel_set.context
         window = c.window
+        attn = self.attn_layers[i]
         if self.mode == "module":
             return LayerPlan(i, "module", "mode='module': the model's own rope and a plain pool scatter", None, window)
+        store_kernel = getattr(ks, "kv_store", None) if self.mode == "fused" and c.head_dim == c.v_head_dim else None
+        store = None if store_kernel is None else (
+            lambda k, v, s, kp, vp, _k=store_kernel: _k(k, v, s, kp, vp, check_slots=False))
+
+        def own(reason: str, rotates: bool = True) -> LayerPlan:
+            return LayerPlan(i, "module", reason, None, window, rotates=rotates, store=store)
+
         if c.applies_rope is False:
-            return LayerPlan(i, "module", "the layer applies no RoPE", None, window, rotates=False)
-        if rope_attr(self.attn_layers[i]) is None:
-            return LayerPlan(i, "module", "no rope module: any RoPE is the attention's own code", None, window,
-                             rotates=False)
+            return own("the layer applies no RoPE", rotates=False)
+        if rope_attr(attn) is None:
+            return own("no rope module: any RoPE is the attention's own code", rotates=False)
         if ctx.attention == "mla":
             return LayerPlan(i, "module", "MLA: the pools hold the cached latent rows, which the kernel cannot "
                                           "produce", None, window)
         if c.dataflow_error:
-            return LayerPlan(i, "module", c.dataflow_error, None, window)
+            return own(c.dataflow_error)
+        if self.mode == "fused" and ks.qk_norm_rope is not None:
+            kernel, (qn, kn) = ks.qk_norm_rope, qk_norm_attrs(attn)
+            q_norm, k_norm = getattr(attn, qn), getattr(attn, kn)
+            call = (lambda q, k, v, p, s, kp, vp, _k=kernel, _qn=q_norm, _kn=k_norm:
+                    _k(q, k, v, p, s, kp, vp, _qn.weight, _kn.weight, check_slots=False))
+            return LayerPlan(i, "fused", f"q/k {ctx.qk_norm.source} + RoPE + cache write: {_impl(kernel)}", call,
+                             window, kernel="qk_norm_rope_pool_fused", norms=((qn, q_norm), (kn, k_norm)))
         if self.mode == "fused" and ks.rope is not None:
             kernel = ks.rope
             call = (lambda q, k, v, p, s, kp, vp, _k=kernel: _k(q, k, v, p, s, kp, vp, check_slots=False))
-            return LayerPlan(i, "fused", f"{kernel.implementation}" + (f" ({kernel.reason})" if kernel.reason else ""),
-                             call, window)
+            return LayerPlan(i, "fused", _impl(kernel), call, window)
         if ctx.rope is not None and ctx.attention == "mha":
             cfg = ctx.rope
             call = (lambda q, k, v, p, s, kp, vp, _c=cfg: rope_pool_fused_reference(q, k, v, p, s, kp, vp, rope=_c))
             why = ("mode='reference'" if self.mode == "reference"
                    else f"kernel not selected: {ks.rejections.get('rope_pool_fused', '?')}")
             return LayerPlan(i, "reference", why, call, window)
-        return LayerPlan(i, "module", ctx.rope_error or "RoPE not expressible", None, window)
+        return own(ctx.rope_error or "RoPE not expressible")
 
     def _batching(self, attn_layers: dict[int, Any], own: list) -> tuple[int, str]:
         """(mask rank for batched decode, reason decode runs one request at a time or "")."""
@@ -569,6 +598,10 @@ class _InFlight:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def _impl(kernel) -> str:
+    return kernel.implementation + (f" ({kernel.reason})" if kernel.reason else "")
+
 
 def _vocab_size(model) -> int | None:
     args = getattr(model, "args", None)

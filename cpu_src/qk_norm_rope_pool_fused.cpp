@@ -1,0 +1,125 @@
+// qk_norm_rope_pool_fused, CPU entry points (docs/kernel-abi.md): per-head RMSNorm of q and k with
+// their weights, RoPE, and k and v stored into the slot-indexed pools, in one pass per token.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "aot_cpu.h"
+
+#define AOT_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+using aot_cpu::buffer;
+using aot_cpu::scalar;
+
+struct Params {
+  int head_dim, rotary_dims;
+  bool traditional;
+  float mscale, eps, weight_offset;
+};
+
+// One head's row: RMSNorm in fp32 rounded once to T (as the model's own norm returns T), then the
+// rotation of the first rotary_dims features in fp32, rounded once more. `normed` is scratch.
+template <typename C>
+void norm_rope_row(const typename C::storage* __restrict in, typename C::storage* __restrict out,
+                   const typename C::storage* __restrict weight, const float* cs, const float* sn, const Params& p,
+                   float* normed) {
+  const int D = p.head_dim;
+  float ss = 0.0f;
+  for (int i = 0; i < D; ++i) {
+    const float x = C::load(in[i]);
+    ss += x * x;
+  }
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + p.eps);
+  for (int i = 0; i < D; ++i)
+    normed[i] = C::load(C::store(C::load(in[i]) * r * (C::load(weight[i]) + p.weight_offset)));
+  const int half = p.rotary_dims / 2;
+  for (int i = 0; i < half; ++i) {
+    const int a = p.traditional ? 2 * i : i;
+    const int b = p.traditional ? 2 * i + 1 : i + half;
+    const float x1 = normed[a] * p.mscale, x2 = normed[b] * p.mscale;
+    out[a] = C::store(x1 * cs[i] - x2 * sn[i]);
+    out[b] = C::store(x1 * sn[i] + x2 * cs[i]);
+  }
+  for (int i = p.rotary_dims; i < D; ++i) out[i] = C::store(normed[i]);  // exact: normed[i] is a T value
+}
+
+template <typename A, typename P>
+void run(void** args) {
+  using T = typename A::storage;
+  using TP = typename P::storage;
+  const T* q = buffer<const T>(args, 0);
+  const T* k = buffer<const T>(args, 1);
+  const T* v = buffer<const T>(args, 2);
+  T* q_out = buffer<T>(args, 3);
+  T* k_out = buffer<T>(args, 4);
+  TP* k_pool = buffer<TP>(args, 5);
+  TP* v_pool = buffer<TP>(args, 6);
+  const int32_t* positions = buffer<const int32_t>(args, 7);
+  const int32_t* slots = buffer<const int32_t>(args, 8);
+  const float* inv_freq = buffer<const float>(args, 9);
+  const T* q_weight = buffer<const T>(args, 10);
+  const T* k_weight = buffer<const T>(args, 11);
+  const int n_tokens = scalar<int32_t>(args, 12);
+  const int pool_size = scalar<int32_t>(args, 13);
+  const int pool_rows = scalar<int32_t>(args, 14);
+  const int n_q_heads = scalar<int32_t>(args, 15);
+  const int n_kv_heads = scalar<int32_t>(args, 16);
+  Params p;
+  p.head_dim = scalar<int32_t>(args, 17);
+  p.rotary_dims = scalar<int32_t>(args, 18);
+  p.traditional = scalar<int32_t>(args, 19) != 0;
+  const int pool_layout = scalar<int32_t>(args, 20);
+  const float pos_scale = scalar<float>(args, 21);
+  p.mscale = scalar<float>(args, 22);
+  p.eps = scalar<float>(args, 23);
+  p.weight_offset = scalar<float>(args, 24);
+
+  const int half = p.rotary_dims / 2;
+  std::vector<float> cs(half), sn(half), normed(p.head_dim);
+  const size_t D = static_cast<size_t>(p.head_dim);
+  for (int t = 0; t < n_tokens; ++t) {
+    const float pos = static_cast<float>(positions[t]) * pos_scale;
+    for (int i = 0; i < half; ++i) {
+      const float angle = pos * inv_freq[i];
+      cs[i] = std::cos(angle);
+      sn[i] = std::sin(angle);
+    }
+    for (int h = 0; h < n_q_heads; ++h) {
+      const size_t off = (static_cast<size_t>(t) * n_q_heads + h) * D;
+      norm_rope_row<A>(q + off, q_out + off, q_weight, cs.data(), sn.data(), p, normed.data());
+    }
+    const int slot = slots[t];
+    // < 0: no store; >= pool_size: never written; head-major with no rows (inconsistent scalars): nothing
+    const bool write = slot >= 0 && slot < pool_size && (pool_layout == 0 || pool_rows > 0);
+    const size_t b = write ? static_cast<size_t>(slot / pool_rows) : 0, s = write ? static_cast<size_t>(slot % pool_rows) : 0;
+    for (int h = 0; h < n_kv_heads; ++h) {
+      const size_t off = (static_cast<size_t>(t) * n_kv_heads + h) * D;
+      norm_rope_row<A>(k + off, k_out + off, k_weight, cs.data(), sn.data(), p, normed.data());
+      if (write) {
+        const size_t dst = pool_layout == 0 ? (static_cast<size_t>(slot) * n_kv_heads + h) * D
+                                            : ((b * n_kv_heads + h) * pool_rows + s) * D;
+        for (size_t i = 0; i < D; ++i) {
+          k_pool[dst + i] = P::store(A::load(k_out[off + i]));
+          v_pool[dst + i] = P::store(A::load(v[off + i]));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#define QKN_ENTRY(NAME, A, P) \
+  AOT_EXPORT void NAME(void** args) { run<aot_cpu::A, aot_cpu::P>(args); }
+
+QKN_ENTRY(qk_norm_rope_pool_fused_f16, F16, F16)
+QKN_ENTRY(qk_norm_rope_pool_fused_bf16, BF16, BF16)
+QKN_ENTRY(qk_norm_rope_pool_fused_f32, F32, F32)
+QKN_ENTRY(qk_norm_rope_pool_fused_f16_f32, F16, F32)
+QKN_ENTRY(qk_norm_rope_pool_fused_bf16_f16, BF16, F16)
+QKN_ENTRY(qk_norm_rope_pool_fused_bf16_f32, BF16, F32)
+QKN_ENTRY(qk_norm_rope_pool_fused_f32_f16, F32, F16)
+QKN_ENTRY(qk_norm_rope_pool_fused_f32_bf16, F32, BF16)
+QKN_ENTRY(qk_norm_rope_pool_fused_f16_bf16, F16, BF16)

@@ -1,0 +1,119 @@
+// qk_norm_rope_pool_fused, CUDA entry points (docs/kernel-abi.md): per-head RMSNorm of q and k with
+// their weights, RoPE, and k and v stored into the slot-indexed pools, in one launch.
+//
+// One warp per row (one head of one token: q rows first, then kv rows, token-major): lane l owns the
+// feature pairs p = l, l + 32, ... < head_dim / 2 (rotary pairs (p, p + R/2) or (2p, 2p + 1), then
+// pass-through pairs (R + 2j, R + 2j + 1)). Pass 1 sums the squares (warp shuffle reduction), pass 2
+// normalises (fp32, one rounding to T, as the model's norm returns T), rotates in fp32 and stores.
+// The grid is 1-D (n_tokens * (n_q_heads + n_kv_heads) * 32 threads), so prefill sizes never meet
+// the 65535-block limit of the other axes.
+#include <stdint.h>
+
+#include "aot_cuda.cuh"
+
+namespace {
+
+using aot_cuda::Cvt;
+
+struct Params {
+  int n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional, pool_layout;
+  float pos_scale, mscale, eps, weight_offset;
+};
+
+template <typename T>
+__device__ __forceinline__ float rounded(float x) { return Cvt<T>::load(Cvt<T>::store(x)); }
+
+template <typename T, typename P>
+__device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     T* __restrict__ q_out, T* __restrict__ k_out, P* k_pool, P* v_pool,
+                     const int32_t* __restrict__ positions, const int32_t* __restrict__ slots,
+                     const float* __restrict__ inv_freq, const T* __restrict__ q_weight,
+                     const T* __restrict__ k_weight, const Params& p) {
+  const long long gid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long row_id = gid / 32;
+  const int lane = static_cast<int>(gid % 32);
+  const int heads = p.n_q_heads + p.n_kv_heads;
+  // Whole warps leave together (the shuffles below need every lane of a live row).
+  if (row_id >= static_cast<long long>(p.n_tokens) * heads) return;
+  const int t = static_cast<int>(row_id / heads);
+  const int hh = static_cast<int>(row_id - static_cast<long long>(t) * heads);
+  const bool is_q = hh < p.n_q_heads;
+  const int h = is_q ? hh : hh - p.n_q_heads;
+  const int D = p.head_dim;
+  const long long row = (static_cast<long long>(t) * (is_q ? p.n_q_heads : p.n_kv_heads) + h) * D;
+  const T* in = (is_q ? q : k) + row;
+  T* out = (is_q ? q_out : k_out) + row;
+  const T* w = is_q ? q_weight : k_weight;
+  const int half_rot = p.rotary_dims / 2;
+  const int pairs = D / 2;
+  const bool trad = p.traditional != 0;
+
+  float ss = 0.0f;
+  for (int i = lane; i < pairs; i += 32) {
+    const int a = i < half_rot ? (trad ? 2 * i : i) : p.rotary_dims + 2 * (i - half_rot);
+    const int b = i < half_rot && !trad ? a + half_rot : a + 1;
+    const float x1 = Cvt<T>::load(in[a]), x2 = Cvt<T>::load(in[b]);
+    ss += x1 * x1 + x2 * x2;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  const float r = rsqrtf(ss / static_cast<float>(D) + p.eps);
+
+  const int slot = is_q ? -1 : slots[t];
+  // Never out of bounds (nor a division by zero rows of inconsistent head-major scalars).
+  const bool store = !is_q && slot >= 0 && slot < p.pool_size && (p.pool_layout == 0 || p.pool_rows > 0);
+  long long dst = 0;
+  if (store) {
+    const long long b = slot / p.pool_rows, s = slot % p.pool_rows;
+    dst = p.pool_layout == 0 ? (static_cast<long long>(slot) * p.n_kv_heads + h) * D
+                             : ((b * p.n_kv_heads + h) * p.pool_rows + s) * D;
+  }
+  const float pos = static_cast<float>(positions[t]) * p.pos_scale;
+  for (int i = lane; i < pairs; i += 32) {
+    const bool rotary = i < half_rot;
+    const int a = rotary ? (trad ? 2 * i : i) : p.rotary_dims + 2 * (i - half_rot);
+    const int b = rotary && !trad ? a + half_rot : a + 1;
+    float y1 = rounded<T>(Cvt<T>::load(in[a]) * r * (Cvt<T>::load(w[a]) + p.weight_offset));
+    float y2 = rounded<T>(Cvt<T>::load(in[b]) * r * (Cvt<T>::load(w[b]) + p.weight_offset));
+    if (rotary) {
+      float s, c;
+      sincosf(pos * inv_freq[i], &s, &c);
+      const float x1 = y1 * p.mscale, x2 = y2 * p.mscale;
+      y1 = x1 * c - x2 * s;
+      y2 = x1 * s + x2 * c;
+    }
+    const T o1 = Cvt<T>::store(y1), o2 = Cvt<T>::store(y2);
+    out[a] = o1;
+    out[b] = o2;
+    if (store) {
+      k_pool[dst + a] = Cvt<P>::store(Cvt<T>::load(o1));
+      k_pool[dst + b] = Cvt<P>::store(Cvt<T>::load(o2));
+      v_pool[dst + a] = Cvt<P>::store(Cvt<T>::load(v[row + a]));
+      v_pool[dst + b] = Cvt<P>::store(Cvt<T>::load(v[row + b]));
+    }
+  }
+}
+
+}  // namespace
+
+#define QKN_ENTRY(NAME, T, P)                                                                             \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                                 \
+      const T* q, const T* k, const T* v, T* q_out, T* k_out, P* k_pool, P* v_pool,                        \
+      const int32_t* positions, const int32_t* slots, const float* inv_freq, const T* q_weight,            \
+      const T* k_weight, int n_tokens, int pool_size, int pool_rows, int n_q_heads, int n_kv_heads,        \
+      int head_dim, int rotary_dims, int traditional, int pool_layout, float pos_scale, float mscale,      \
+      float eps, float weight_offset) {                                                                    \
+    const Params p{n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim,    \
+                   rotary_dims, traditional, pool_layout, pos_scale, mscale, eps, weight_offset};          \
+    body<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, q_weight, k_weight, p);  \
+  }
+
+QKN_ENTRY(qk_norm_rope_pool_fused_f16, __half, __half)
+QKN_ENTRY(qk_norm_rope_pool_fused_bf16, __nv_bfloat16, __nv_bfloat16)
+QKN_ENTRY(qk_norm_rope_pool_fused_f32, float, float)
+QKN_ENTRY(qk_norm_rope_pool_fused_f16_f32, __half, float)
+QKN_ENTRY(qk_norm_rope_pool_fused_bf16_f16, __nv_bfloat16, __half)
+QKN_ENTRY(qk_norm_rope_pool_fused_bf16_f32, __nv_bfloat16, float)
+QKN_ENTRY(qk_norm_rope_pool_fused_f32_f16, float, __half)
+QKN_ENTRY(qk_norm_rope_pool_fused_f32_bf16, float, __nv_bfloat16)
+QKN_ENTRY(qk_norm_rope_pool_fused_f16_bf16, __half, __nv_bfloat16)

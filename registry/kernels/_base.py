@@ -1,0 +1,320 @@
+"""What every kernel wrapper shares, so a wrapper holds only its own argument contract, reference
+math, launch geometry and scalars (docs/manifest.md, "Adding a kernel").
+
+`PoolKernel` owns:
+  - the native-or-reference choice and its reason (`build(spec, ctx)`: registry.native's one
+    lifecycle, find -> verify -> load, else the reference path and why);
+  - the plan cache: full validation and the packed launch (scalars, geometry, entry) once per shape
+    and dtype signature, then one dict lookup and one extension call per call;
+  - the slot check (`check_slots=True`): slots in range, no duplicate valid slot, positions in
+    [0, 2^24] when the kernel takes positions, all in one host sync;
+  - the functional entry (`functional`), which builds the kernel for the default device through a
+    synthetic SelectionContext.
+It also has the pool helpers the reference paths share: the two pool layouts of docs/kernel-abi.md
+(slot-major [S, Hkv, D] and head-major [B, Hkv, S, D]) and a lazy, bounds-safe row store.
+
+A subclass sets NAME, ARGS (call arguments), INPUTS (the signature's inputs in launch order) and
+defines validate, reference, launch_config and launch_arrays; config_from / context_fields when it
+is configured by more than the backend (RoPE, norms).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import mlx.core as mx
+
+from ..core import DTYPE_NAMES, SelectionContext, backend_of
+from ..errors import KernelArgumentError
+
+log = logging.getLogger("registry")
+
+MAX_POSITION = 2 ** 24          # fp32 angles beyond are meaningless (docs/kernel-abi.md)
+INT32_MAX = 2 ** 31 - 1
+_REFERENCE = object()           # the plan of a kernel object without a native launcher
+_MAX_PLANS = 256
+
+
+def shape_str(a: Any) -> str:
+    return "x".join(str(s) for s in a.shape) if hasattr(a, "shape") else type(a).__name__
+
+
+# ----------------------------------------------------------------------------- pools
+
+SLOT_MAJOR, HEAD_MAJOR = 0, 1   # the kernels' pool_layout scalar
+_LAYOUTS = {3: ("slot-major", "[pool_size, n_kv_heads={H}, head_dim={D}]"),
+            4: ("head-major", "[batch, n_kv_heads={H}, rows, head_dim={D}]")}
+
+
+class PoolGeometry:
+    """A pool's layout read off its rank: slot-major [S, Hkv, D] (slot s is row s) or head-major
+    [B, Hkv, S, D] (mlx-lm's KVCache; slot = b * S + s). `size` = total slots, `rows` = S."""
+
+    __slots__ = ("layout", "size", "rows", "heads", "dim")
+
+    def __init__(self, pool: mx.array):
+        if pool.ndim == 3:
+            self.layout, (self.size, self.heads, self.dim) = SLOT_MAJOR, pool.shape
+            self.rows = self.size
+        else:
+            B, self.heads, self.rows, self.dim = pool.shape
+            self.layout, self.size = HEAD_MAJOR, B * self.rows
+
+    @property
+    def scalars(self) -> dict[str, int]:
+        return dict(pool_size=self.size, pool_rows=self.rows, pool_layout=self.layout)
+
+
+def check_arrays(kernel: str, named: dict[str, Any]) -> None:
+    for name, a in named.items():
+        if not isinstance(a, mx.array):
+            raise KernelArgumentError(f"{kernel}: {name} must be an mx.array, got {type(a).__name__}")
+
+
+def check_activations(kernel: str, named: dict[str, mx.array]) -> None:
+    """3-D [tokens, heads, head_dim] float arrays of one dtype (the first one's)."""
+    for name, a in named.items():
+        if a.ndim != 3:
+            raise KernelArgumentError(f"{kernel}: {name} must be 3-D [tokens, heads, head_dim], got shape "
+                                      f"{shape_str(a)}")
+    first, *rest = named
+    if named[first].dtype not in DTYPE_NAMES:
+        raise KernelArgumentError(f"{kernel}: {first} dtype {named[first].dtype} is not float16, bfloat16 or float32")
+    for name in rest:
+        if named[name].dtype != named[first].dtype:
+            raise KernelArgumentError(f"{kernel}: {name} dtype {named[name].dtype} differs from {first} dtype "
+                                      f"{named[first].dtype}; {', '.join(named)} must match")
+
+
+def check_pool_ranks(kernel: str, k_pool, v_pool) -> None:
+    for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if p.ndim not in _LAYOUTS:
+            raise KernelArgumentError(
+                f"{kernel}: {name} must be a slot-major [pool_size, n_kv_heads, head_dim] (3-D) or head-major "
+                f"[batch, n_kv_heads, rows, head_dim] (4-D) pool, got shape {shape_str(p)}")
+
+
+def check_pools(kernel: str, k_pool, v_pool, heads: int, dim: int) -> PoolGeometry:
+    """Both pools: either layout, `heads` x `dim` rows, one shape, one float dtype (any of the three,
+    whatever the activations': the kernels convert on the store), at most INT32_MAX slots."""
+    check_pool_ranks(kernel, k_pool, v_pool)
+    if k_pool.dtype not in DTYPE_NAMES:
+        raise KernelArgumentError(f"{kernel}: k_pool dtype {k_pool.dtype} is not float16, bfloat16 or float32 (a "
+                                  f"pool may differ from the activations' dtype, but must be one of these)")
+    if v_pool.dtype != k_pool.dtype:
+        raise KernelArgumentError(f"{kernel}: v_pool dtype {v_pool.dtype} differs from k_pool dtype "
+                                  f"{k_pool.dtype}; the pools must match")
+    for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if p.shape[1] != heads or p.shape[-1] != dim:
+            layout, want = _LAYOUTS[p.ndim]
+            raise KernelArgumentError(f"{kernel}: {name} {shape_str(p)}: a {layout} pool must be "
+                                      + want.format(H=heads, D=dim))
+    if k_pool.shape != v_pool.shape:
+        raise KernelArgumentError(f"{kernel}: k_pool {shape_str(k_pool)} and v_pool {shape_str(v_pool)} must "
+                                  f"have the same shape")
+    geo = PoolGeometry(k_pool)
+    if geo.size > INT32_MAX:
+        raise KernelArgumentError(f"{kernel}: k_pool {shape_str(k_pool)} holds {geo.size} slots, more than "
+                                  f"INT32_MAX = {INT32_MAX}: slots and the kernel's pool_size are int32")
+    return geo
+
+
+def check_index(kernel: str, name: str, a: mx.array, tokens: int) -> None:
+    if a.dtype != mx.int32 or tuple(a.shape) != (tokens,):
+        raise KernelArgumentError(f"{kernel}: {name} must be int32 [tokens={tokens}], got {a.dtype} {shape_str(a)}")
+
+
+def pool_dtype_key(act: mx.Dtype, pool: mx.Dtype) -> str:
+    """The `entries` key (docs/manifest.md): '<act>' when the pool has the activations' dtype, else
+    '<act>/<pool>'."""
+    return DTYPE_NAMES[act] if act == pool else f"{DTYPE_NAMES[act]}/{DTYPE_NAMES[pool]}"
+
+
+def store_rows(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
+    """`pool` with slot slots[t] = rows[t] [Hkv, D] (converted to the pool's dtype) where slots[t] is in
+    range, lazily (no host sync), either layout: one scatter of head rows into the pool seen as
+    [rows, D], with 64-bit row indices. Tokens that must not be written repeat a valid token's write
+    (the same value, so the repeated index cannot conflict); with no valid token, row indices of
+    slot 0 get their own values."""
+    geo = PoolGeometry(pool)
+    if slots.size == 0 or geo.size == 0 or geo.heads == 0:
+        return mx.array(pool)
+    valid = (slots >= 0) & (slots < geo.size)
+    j = mx.argmax(valid)
+    any_valid = valid[j]
+    idx = mx.where(valid, slots, mx.where(any_valid, slots[j], 0)).astype(mx.int64)
+    h = mx.arange(geo.heads, dtype=mx.int64)[None]
+    if geo.layout == SLOT_MAJOR:
+        flat_rows = idx[:, None] * geo.heads + h
+    else:
+        flat_rows = ((idx // geo.rows)[:, None] * geo.heads + h) * geo.rows + (idx % geo.rows)[:, None]
+    out = pool.reshape(-1, geo.dim)  # a new array object: the caller's pool object is left as it was
+    fallback = mx.where(any_valid, rows[j].astype(pool.dtype)[None], out[flat_rows])
+    vals = mx.where(valid[:, None, None], rows.astype(pool.dtype), fallback)
+    out[flat_rows.reshape(-1)] = vals.reshape(-1, geo.dim)
+    return out.reshape(pool.shape)
+
+
+def check_slot_values(kernel: str, slots: mx.array, pool_size: int, positions: mx.array | None = None) -> None:
+    """check_slots=True: slots < pool_size, no valid slot twice, and (given positions) positions in
+    [0, 2^24], in one host sync. Engines call it once per step and pass check_slots=False to every
+    layer; the kernels never write out of range regardless."""
+    if slots.size == 0:
+        return
+    valid = (slots >= 0) & (slots < pool_size)
+    # Invalid slots become distinct negatives, so only valid repeats sort next to each other.
+    keys = mx.sort(mx.where(valid, slots, -1 - mx.arange(slots.size, dtype=mx.int32)))
+    checks = [mx.max(slots) >= pool_size, mx.any(keys[1:] == keys[:-1])]
+    if positions is not None:
+        checks += [mx.min(positions) < 0, mx.max(positions) > MAX_POSITION]
+    out_of_range, repeated, *bad_positions = mx.stack(checks).tolist()   # the one host sync
+    if out_of_range:
+        t = int(mx.argmax(slots >= pool_size).item())
+        raise KernelArgumentError(f"{kernel}: slots[{t}]={int(slots[t].item())} is out of range for a pool of "
+                                  f"{pool_size} slots (valid: 0..{pool_size - 1}, or < 0 to skip the write)")
+    if repeated:
+        first: dict[int, int] = {}
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0 and slot in first:
+                raise KernelArgumentError(f"{kernel}: slots[{t}]={slot} repeats slots[{first[slot]}]: a slot may be "
+                                          f"written once per call (unchecked, which token's row lands is unspecified)")
+            first.setdefault(slot, t)
+    if any(bad_positions):
+        p = positions.tolist()
+        t = next(i for i, x in enumerate(p) if not 0 <= x <= MAX_POSITION)
+        raise KernelArgumentError(f"{kernel}: positions[{t}]={p[t]} is outside [0, 2^24 = {MAX_POSITION}]: fp32 "
+                                  f"RoPE angles are meaningless beyond (unchecked, every path computes "
+                                  f"float(position) * pos_scale * inv_freq all the same)")
+
+
+# ----------------------------------------------------------------------------- the kernel object
+
+class PoolKernel:
+    """A kernel object as `KernelSet.<kernel_attr>` holds it: call it with ARGS.
+
+    `implementation` says what runs: 'native-cuda', 'native-metal', 'native-cpu' or 'reference';
+    `reason` says why (which artifact was loaded, or why the native path is unavailable).
+    """
+
+    NAME: str = ""
+    ARGS: tuple[str, ...] = ()        # call arguments, in order
+    INPUTS: tuple[str, ...] = ()      # kernels.yaml signature inputs (role input/inplace) in launch order
+    SLOTS, POSITIONS, POOL = "slots", None, "k_pool"   # argument names the slot check reads
+
+    def __init__(self, config: Any = None, *, backend: str, device: mx.Device | None = None,
+                 launcher: Any = None, reason: str = ""):
+        self.config = config
+        self.backend = backend
+        self.device = device
+        self._launcher = launcher
+        self.reason = reason
+        self._plans: dict[tuple, Any] = {}
+        self.enabled = True
+        self._slot_arg = self.ARGS.index(self.SLOTS)
+        self._pos_arg = self.ARGS.index(self.POSITIONS) if self.POSITIONS else None
+        self._pool_arg = self.ARGS.index(self.POOL)
+        if launcher is not None:
+            if launcher.input_names != self.INPUTS:
+                raise KernelArgumentError(f"{self.NAME}: kernels.yaml signature inputs {launcher.input_names} "
+                                          f"differ from the wrapper's {self.INPUTS}")
+            self._launch, self._binary = launcher.raw_launch
+
+    # -- what a wrapper defines
+    def validate(self, *args) -> None:
+        """Raise KernelArgumentError naming the argument, the expectation and the shapes seen."""
+        raise NotImplementedError
+
+    def reference(self, *args) -> tuple:
+        """The pure-MLX path (fallback and oracle); the same results as the native kernels."""
+        raise NotImplementedError
+
+    def launch_config(self, *args) -> tuple[str, dict, tuple, tuple]:
+        """(entries key, scalars, grid, threadgroup) for self.backend; called once per shape signature."""
+        raise NotImplementedError
+
+    def launch_arrays(self, *args) -> list:
+        """The arrays of INPUTS, in order."""
+        raise NotImplementedError
+
+    @classmethod
+    def config_from(cls, ctx: SelectionContext) -> Any:
+        """The kernel object's configuration from a selection context (None: the backend is enough)."""
+        return None
+
+    @classmethod
+    def context_fields(cls, config: Any) -> dict[str, Any]:
+        """The SelectionContext fields that carry `config` (the inverse of config_from)."""
+        return {}
+
+    @classmethod
+    def context_for(cls, config: Any, backend: str) -> SelectionContext:
+        """A synthetic selection context for the functional entry (and tests, benchmarks)."""
+        fields = dict(attention="mha", rope=None, rope_error="", n_heads=0, n_kv_heads=0, head_dim=0, dtype=None,
+                      backend=backend, device=None)
+        return SelectionContext(**{**fields, **cls.context_fields(config)})
+
+    # -- shared
+    @property
+    def implementation(self) -> str:
+        return f"native-{self.backend}" if self._launcher is not None else "reference"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(config={self.config!r}, implementation={self.implementation})"
+
+    def _new_plan(self, args) -> Any:
+        self.validate(*args)   # full validation once per shape signature
+        if self._launcher is None:
+            return _REFERENCE
+        key, scalars, grid, group = self.launch_config(*args)
+        return self._launcher.plan(key, scalars, grid=grid, threadgroup=group)
+
+    def __call__(self, *args, check_slots: bool = True):
+        if len(args) != len(self.ARGS):
+            raise KernelArgumentError(f"{self.NAME}: expected {len(self.ARGS)} arguments ({', '.join(self.ARGS)}), "
+                                      f"got {len(args)}")
+        # Hot path: one dict lookup on the shape/dtype signature, then one extension call.
+        try:
+            key = tuple((a.shape, a.dtype) for a in args)
+        except AttributeError:
+            key = None
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._new_plan(args)
+            if len(self._plans) > _MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        if check_slots:
+            pool = PoolGeometry(args[self._pool_arg])
+            check_slot_values(self.NAME, args[self._slot_arg], pool.size,
+                              None if self._pos_arg is None else args[self._pos_arg])
+        if plan is _REFERENCE:
+            return self.reference(*args)
+        return tuple(self._launch(self._binary, plan, self.launch_arrays(*args), self.device))
+
+    @classmethod
+    def build(cls, spec, ctx: SelectionContext) -> "PoolKernel":
+        """Registry hook (kernels.yaml `wrapper`): native when the artifact for ctx.backend is present
+        and fresh, else the reference path, with the reason either way."""
+        from ..native import load_launcher  # the native side is optional: import only when building
+
+        launcher, reason = load_launcher(spec, ctx.backend)
+        if launcher is None:
+            log.debug("%s: native path unavailable on %s: %s", cls.NAME, ctx.backend, reason)
+        return cls(cls.config_from(ctx), backend=ctx.backend, device=ctx.device, launcher=launcher, reason=reason)
+
+    @classmethod
+    def functional(cls, args: tuple, config: Any = None, *, check_slots: bool = True):
+        """The functional entry point: the kernel for the default device (native when its artifact is
+        available, else the reference), argument errors before any manifest work."""
+        check_arrays(cls.NAME, dict(zip(cls.ARGS, args)))
+        cls(config, backend="cpu").validate(*args)
+        return _default_kernel(cls, config, backend_of())(*args, check_slots=check_slots)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_kernel(cls: type[PoolKernel], config: Any, backend: str) -> PoolKernel:
+    from ..manifest import load_manifest
+
+    return cls.build(load_manifest().kernel(cls.NAME), cls.context_for(config, backend))
