@@ -1,0 +1,89 @@
+"""compute-sanitizer memcheck of every kernel in kernels.yaml on out-of-range slots (CUDA only):
+slots past the pool, INT32 extremes and negatives, in both pool layouts, with a pool dtype other than
+the activations'. A kernel added to kernels.yaml without a case here fails, naming this file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import pytest
+
+from registry import KernelRegistry
+
+pytestmark = pytest.mark.gpu
+
+_COMMON = """
+import mlx.core as mx, numpy as np
+T, S = 64, 8
+mk = lambda *s: mx.array(np.ones(s, np.float32)).astype(mx.float16)
+f32 = lambda *s: mx.array(np.ones(s, np.float32))
+slots = mx.array(np.array([S, S + 1, 10**6, 2**31 - 1, -1, -(2**31)] * 10 + [0, 1, 2, 3], np.int32))
+pos = mx.arange(T, dtype=mx.int32)
+def report(name, pools, rows, before=1):
+    mx.eval(pools)
+    print(name, "rows written:", int(mx.sum(rows != before).item()))
+"""
+
+# Per kernel: the launches (slot-major f16 pools; head-major [2, Hkv, 4, D] f32 pools = 8 slots).
+CASES = {
+    "rope_pool_fused": """
+from registry.rope import RopeConfig
+from tests.test_native_rope_pool_fused import native_kernel
+kernel = native_kernel(RopeConfig(128))
+out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, mk(S, 8, 128), mk(S, 8, 128), check_slots=False)
+report("slot-major", out, out[2][:, 0, 0])
+out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, f32(2, 8, 4, 128), f32(2, 8, 4, 128), check_slots=False)
+report("head-major", out, out[2][:, 0, :, 0])
+""",
+    "kv_pool_store": """
+from tests.test_kv_pool_store import native_kernel
+kernel = native_kernel()
+zeros = lambda *s, dt=mx.float16: mx.zeros(s, dt)   # k/v rows are ones: a written row differs from 0
+out = kernel(mk(T, 8, 128), mk(T, 8, 128), slots, zeros(S, 8, 128), zeros(S, 8, 128), check_slots=False)
+report("slot-major", out, out[0][:, 0, 0], before=0)
+out = kernel(mk(T, 8, 128), mk(T, 8, 128), slots, zeros(2, 8, 4, 128, dt=mx.float32), zeros(2, 8, 4, 128, dt=mx.float32), check_slots=False)
+report("head-major", out, out[0][:, 0, :, 0], before=0)
+""",
+    "qk_norm_rope_pool_fused": """
+from registry.norm import NormConfig
+from registry.rope import RopeConfig
+from tests.test_qk_norm_rope_pool_fused import native_kernel
+kernel = native_kernel(RopeConfig(128), NormConfig(1e-6, 1.0))
+w = mk(128)
+out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, mk(S, 8, 128), mk(S, 8, 128), w, w, check_slots=False)
+report("slot-major", out, out[2][:, 0, 0])
+out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, f32(2, 8, 4, 128), f32(2, 8, 4, 128), w, w, check_slots=False)
+report("head-major", out, out[2][:, 0, :, 0])
+""",
+}
+
+KERNELS = [k.name for k in KernelRegistry.from_yaml().manifest.kernels]
+
+
+def test_every_kernel_has_a_sanitizer_case():
+    missing = sorted(set(KERNELS) - set(CASES))
+    assert not missing, f"add an out-of-range case for {missing} to CASES in tests/gpu/test_gpu_sanitizer.py"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_compute_sanitizer_out_of_range_slots(native_artifacts, tmp_path, kernel):
+    if not mx.cuda.is_available():
+        pytest.skip("compute-sanitizer is CUDA-only")
+    tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(tool):
+        pytest.fail("compute-sanitizer not found on PATH or in /usr/local/cuda/bin")
+    script = tmp_path / "oob.py"
+    script.write_text(textwrap.dedent(_COMMON) + textwrap.dedent(CASES[kernel]))
+    env = dict(os.environ, MLX_USE_CUDA_GRAPHS="0", PYTHONPATH=os.getcwd())
+    p = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "9", sys.executable, str(script)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in out, out[-4000:]
+    # Only slots 0..3 are valid in both layouts: exactly 4 rows written, nothing out of range.
+    assert "slot-major rows written: 4" in out and "head-major rows written: 4" in out, out[-4000:]
