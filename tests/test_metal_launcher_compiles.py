@@ -32,13 +32,14 @@ def metal_headers(request, tmp_path_factory) -> Path:
     """mlx/include of the mlx-metal wheel (cached between runs)."""
     cache = _cache(request, tmp_path_factory, "mlx-metal-wheel")
     try:
+        include = toolchain.fetch_headers(cache)
+    except toolchain.RegistryUnreachable as e:
+        pytest.skip(str(e))
+    try:
         toolchain.clang()
     except FileNotFoundError as e:
         pytest.fail(str(e), pytrace=False)
-    try:
-        return toolchain.fetch_headers(cache)
-    except toolchain.RegistryUnreachable as e:
-        pytest.skip(str(e))
+    return include
 
 
 def _errors(results) -> str:
