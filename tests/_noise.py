@@ -63,3 +63,16 @@ def assert_tokens_match(model, prompt: list[int], got: list[int], label: str) ->
     one = forced(model, [prompt], want)[0]
     n = compared_steps(one, noise_floor(model, prompt, want, one))
     assert got[:n] == want[:n], f"{label}: {got} vs mlx-lm {want} (compared {n} steps)"
+
+
+def rope_floor(rope_module, head_dim: int, n_positions: int) -> float:
+    """The largest error of the model's own rope module on this device (mx.fast.rope: on CUDA it
+    uses fast sine/cosine approximations whose absolute error grows with the angle) against a float64
+    NumPy rotation, over positions 0..n_positions-1 of a random float32 row per position."""
+    from registry.rope import normalize_rope
+    from tests._oracle import rotate_numpy
+
+    x = np.random.default_rng(0).standard_normal((n_positions, 1, head_dim)).astype(np.float32)
+    got = rope_module(mx.array(x.transpose(1, 0, 2)[None]), offset=0)[0].transpose(1, 0, 2)
+    want = rotate_numpy(x, np.arange(n_positions), normalize_rope(rope_module))
+    return float(np.abs(np.array(got.astype(mx.float32)) - want).max())

@@ -19,7 +19,7 @@ from registry.integrations.engine import mlx_lm_greedy
 from registry.integrations.mlx_lm import build_kernel_sets, build_model, import_mlx_lm_module, make_own_cache
 from registry.integrations.slot_engine import EngineError, SlotEngine, UnsupportedModelError
 from registry.paths import PROJECT_ROOT
-from tests._noise import CPU_ATOL, assert_tokens_match, compared_steps, logits_atol, noise_floor
+from tests._noise import assert_tokens_match, compared_steps, logits_atol, noise_floor
 
 PROMPTS = [[3, 17, 42, 99, 7], [11, 5], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12]]   # different lengths
 NEW_TOKENS = 16
@@ -67,9 +67,12 @@ def test_float32_greedy_tokens_identical(native_artifacts, arch):
             assert run["tokens"][i][:n] == toks[:n], f"{arch}: request {i}: {name} engine vs mlx-lm"
             np.testing.assert_allclose(run["logits"][i][:m], want[:m], atol=atol, rtol=1e-3,
                                        err_msg=f"{arch} {name} (noise floor {floor:.3g})")
-        # Fused against reference on one device: the same GEMMs, only the kernel differs.
+        # Fused against reference: the same GEMMs, only the kernel differs. Its own tolerance holds at the
+        # kernel (the parity matrices of tests/test_native_*.py, on this device); through the model, the
+        # kernel's last-bit differences grow like any other rounding: CPU_ATOL on the CPU, the
+        # noise-derived bound where float32 matmuls run in TF32 (measured on the H200: up to 4.7e-4).
         if fused["tokens"][i][:m] == reference["tokens"][i][:m]:
-            np.testing.assert_allclose(fused["logits"][i][:m], reference["logits"][i][:m], atol=CPU_ATOL,
+            np.testing.assert_allclose(fused["logits"][i][:m], reference["logits"][i][:m], atol=atol,
                                        rtol=1e-3, err_msg=f"{arch}: fused vs reference")
     # Where the plan says fused, every layer call went through the kernel set's rope.
     fused_layers = [p for p in fused_engine.plans.values() if p.path == "fused"]
@@ -103,11 +106,15 @@ def test_bfloat16_logits_within_tolerance(native_artifacts, arch):
         truth = forced_logits(truth_model, prompt, toks)
         scale = np.abs(mlx_lm).max()
         diff = np.abs(out["logits"][i] - mlx_lm).max()
-        assert diff <= BF16_REL_TOL * scale, f"{arch}: request {i}: |engine - mlx-lm| {diff:.4g} > {BF16_REL_TOL} x {scale:.4g}"
-        # not less accurate than mlx-lm's own bf16 path
         eng_err = np.abs(out["logits"][i] - truth).max()
         mlx_err = np.abs(mlx_lm - truth).max()
+        # Not less accurate than mlx-lm's own bf16 path, against float32 ...
         assert eng_err <= 2 * mlx_err + 1e-3 * scale, f"{arch}: request {i}: engine err {eng_err:.4g} vs mlx-lm {mlx_err:.4g}"
+        # ... and close to mlx-lm, unless the engine is the one nearer float32 (then the difference is
+        # mlx-lm's own error: on CUDA mx.fast.rope's fast sin/cos adds to its bf16 rounding).
+        assert diff <= BF16_REL_TOL * scale or eng_err <= mlx_err, \
+            f"{arch}: request {i}: |engine - mlx-lm| {diff:.4g} > {BF16_REL_TOL} x {scale:.4g} (errors vs float32: " \
+            f"engine {eng_err:.4g}, mlx-lm {mlx_err:.4g})"
 
 
 # ----------------------------------------------------------------------------- which path runs

@@ -16,6 +16,7 @@ from registry.core import backend_of
 from registry.integrations import mlx_lm_cache as mc
 from registry.integrations.coverage import ARCHS
 from registry.integrations.mlx_lm import build_model, import_mlx_lm_module, make_prompt_cache
+from tests._noise import rope_floor
 
 gen = importlib.import_module("mlx_lm.generate")
 stock = import_mlx_lm_module("cache")
@@ -153,10 +154,13 @@ def test_growth_by_256_and_chunked_prefill(native_artifacts):
     np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
     ref = stock.make_prompt_cache(model)
     run(model, ref, prompt, prefill_step_size=128)
+    # The kernel rotates with precise sin/cos; mlx-lm's rows come from mx.fast.rope, whose error on
+    # this device bounds the difference (CPU: fp32 round-off; CUDA: fast sin/cos, up to ~5e-4 here).
+    atol = 1e-5 + 2 * rope_floor(model.layers[0].self_attn.rope, cache[0].keys.shape[-1], len(prompt))
     for ours, theirs in zip(cache, ref):
         assert ours.keys.shape == theirs.keys.shape and ours.offset == theirs.offset
         n = ours.offset
-        np.testing.assert_allclose(np.array(ours.keys[..., :n, :]), np.array(theirs.keys[..., :n, :]), atol=1e-5)
+        np.testing.assert_allclose(np.array(ours.keys[..., :n, :]), np.array(theirs.keys[..., :n, :]), atol=atol)
         np.testing.assert_allclose(np.array(ours.values[..., :n, :]), np.array(theirs.values[..., :n, :]), atol=1e-5)
 
 
@@ -323,7 +327,12 @@ def test_quantized_kv_after_fused_prefill_and_slot_engine_still_work(native_arti
 
     model = fresh_model("qwen3")
     kw = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=4)
-    want = run(model, stock.make_prompt_cache(model), PROMPT, **kw)
+    try:
+        want = run(model, stock.make_prompt_cache(model), PROMPT, **kw)
+    except RuntimeError as e:   # MLX 0.32.4's CUDA quantized_matmul has no kernel for this shape/dtype
+        if "No implementation for problem shape" not in str(e):
+            raise
+        pytest.skip(f"stock mlx-lm's quantized KV cache does not run on {mx.default_device()}: {e}")
     cache = make_prompt_cache(model)
     assert run(model, cache, PROMPT, **kw)[0] == want[0]
     assert all(type(c) is stock.QuantizedKVCache for c in cache)
