@@ -72,7 +72,8 @@ def rope_floor(rope_module, head_dim: int, n_positions: int) -> float:
     from registry.rope import normalize_rope
     from tests._oracle import rotate_numpy
 
-    x = np.random.default_rng(0).standard_normal((n_positions, 1, head_dim)).astype(np.float32)
-    got = rope_module(mx.array(x.transpose(1, 0, 2)[None]), offset=0)[0].transpose(1, 0, 2)
+    # [tokens, heads, D] memory seen as [1, heads, tokens, D], the strided view mlx-lm's attention passes.
+    x = np.random.default_rng(0).standard_normal((n_positions, 2, head_dim)).astype(np.float32)
+    got = rope_module(mx.array(x)[None].transpose(0, 2, 1, 3), offset=0)[0].transpose(1, 0, 2)
     want = rotate_numpy(x, np.arange(n_positions), normalize_rope(rope_module))
     return float(np.abs(np.array(got.astype(mx.float32)) - want).max())
