@@ -95,6 +95,7 @@ class BufferSpec:
     like: str | None = None        # outputs: the input giving shape and dtype
     dtype: str | None = None       # fixed dtype (e.g. int32); None = the kernel's dtype
     dtype_group: str | None = None # 'pool': the entry key's pool dtype; None: its activation dtype
+    strided: bool = False          # taken as the caller's array is; its strides reach the kernel
 
 
 @dataclass(frozen=True)
@@ -456,7 +457,7 @@ def _signature(c: _Checker, d: Any) -> SignatureSpec | None:
         if not isinstance(b, dict):
             c.err(d, "buffers", f"{fname}: expected a mapping, got {_type_name(b)} {_short(b)}")
             continue
-        c.keys(b, {"name", "role", "like", "dtype", "dtype_group"}, {"name", "role"}, fname)
+        c.keys(b, {"name", "role", "like", "dtype", "dtype_group", "strided"}, {"name", "role"}, fname)
         name = c.ident(b, "name", _IDENT, "an identifier", f"{fname}.name")
         role = c.typed(b, "role", (str,), "a string", f"{fname}.role")
         if role is not None and role not in BUFFER_ROLES:
@@ -472,6 +473,10 @@ def _signature(c: _Checker, d: Any) -> SignatureSpec | None:
         elif group is not None and (dtype is not None or role == "output"):
             c.err(b, "dtype_group", f"{fname}.dtype_group: only an input or inplace buffer without a fixed "
                                     f"dtype takes a group (outputs follow their `like`)")
+        strided = c.typed(b, "strided", (bool,), "true or false", f"{fname}.strided")
+        if strided and (dtype is not None or role == "inplace"):
+            c.err(b, "strided", f"{fname}.strided: only an activation input or output (no fixed dtype, not "
+                                f"inplace) is strided: in-place buffers are aliased row-contiguous")
         if role == "output" and like is None:
             c.err(b, None, f"{fname}: an output needs `like: <input>` for its shape and dtype")
         if role != "output" and like is not None:
@@ -482,7 +487,8 @@ def _signature(c: _Checker, d: Any) -> SignatureSpec | None:
             c.err(b, "name", f"{fname}.name: duplicate buffer name {_short(name)}")
         if name and role:
             names.add(name)
-            buffers.append(BufferSpec(name=name, role=role, like=like, dtype=dtype, dtype_group=group))
+            buffers.append(BufferSpec(name=name, role=role, like=like, dtype=dtype, dtype_group=group,
+                                      strided=bool(strided)))
     scalars: list[ScalarSpec] = []
     for i, s in enumerate(c.str_list(d, "scalars", "signature.scalars") or []):
         fname = f"signature.scalars[{i}]"
