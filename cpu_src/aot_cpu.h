@@ -81,4 +81,30 @@ inline T* buffer(void** args, int i) { return *static_cast<T**>(args[i]); }
 template <typename T>
 inline T scalar(void** args, int i) { return *static_cast<const T*>(args[i]); }
 
+// A strided activation buffer (docs/kernel-abi.md, "Strided buffers"): args[i] points at its four
+// int32 strides, read through act_layout 0 ([T, H, D]) or 1 ([B, H, L, D], L = seq_len).
+struct View {
+  int64_t sb, sh, sl, sd;
+  int L;
+  // Element offset of the row (token t, head h); t = b * L + l.
+  int64_t row(int t, int h) const {
+    const int b = t / L, l = t - b * L;
+    return b * sb + h * sh + l * sl;
+  }
+};
+inline View view(void** args, int i, int act_layout, int seq_len) {
+  const int32_t* s = static_cast<const int32_t*>(args[i]);
+  if (act_layout == 0) return {s[1], s[2], 0, s[3], 1};
+  return {s[0], s[1], s[2], s[3], seq_len > 0 ? seq_len : 1};
+}
+// Row (t, h) of a strided input as contiguous elements: the row itself when its features are
+// adjacent, else gathered into `scratch` (n elements).
+template <typename T>
+inline const T* row_in(const T* base, const View& v, int t, int h, int n, T* scratch) {
+  const T* p = base + v.row(t, h);
+  if (v.sd == 1) return p;
+  for (int i = 0; i < n; ++i) scratch[i] = p[static_cast<int64_t>(i) * v.sd];
+  return scratch;
+}
+
 }  // namespace aot_cpu

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "aot_cpu.h"
 
@@ -38,6 +39,10 @@ void run(void** args) {
   const int head_dim = scalar<int32_t>(args, 9);
   const int pool_layout = scalar<int32_t>(args, 10);
   // args[11] (vec_width) shapes CUDA launches only.
+  const int seq_len = scalar<int32_t>(args, 12);
+  const int act_layout = scalar<int32_t>(args, 13);
+  const aot_cpu::View vk = aot_cpu::view(args, 14, act_layout, seq_len), vv = aot_cpu::view(args, 15, act_layout, seq_len);
+  std::vector<TA> scratch(head_dim);
   const size_t D = static_cast<size_t>(head_dim);
   for (int t = 0; t < n_tokens; ++t) {
     const int slot = slots[t];
@@ -46,11 +51,10 @@ void run(void** args) {
     // Slot-major [S, H, D]: row (slot, h). Head-major [B, H, S, D]: b = slot / S, s = slot % S.
     const size_t b = static_cast<size_t>(slot / pool_rows), s = static_cast<size_t>(slot % pool_rows);
     for (int h = 0; h < n_kv_heads; ++h) {
-      const size_t src = (static_cast<size_t>(t) * n_kv_heads + h) * D;
       const size_t dst = pool_layout == 0 ? (static_cast<size_t>(slot) * n_kv_heads + h) * D
                                           : ((b * n_kv_heads + h) * pool_rows + s) * D;
-      copy_row<A, P>(k + src, k_pool + dst, head_dim);
-      copy_row<A, P>(v + src, v_pool + dst, head_dim);
+      copy_row<A, P>(aot_cpu::row_in(k, vk, t, h, head_dim, scratch.data()), k_pool + dst, head_dim);
+      copy_row<A, P>(aot_cpu::row_in(v, vv, t, h, head_dim, scratch.data()), v_pool + dst, head_dim);
     }
   }
 }

@@ -75,6 +75,13 @@ void run(void** args) {
   p.mscale = scalar<float>(args, 22);
   p.eps = scalar<float>(args, 23);
   p.weight_offset = scalar<float>(args, 24);
+  const int seq_len = scalar<int32_t>(args, 25);
+  const int act_layout = scalar<int32_t>(args, 26);
+  // Strided activations; q_out/k_out are the launcher's fresh row-contiguous arrays (unit feature stride).
+  const aot_cpu::View vq = aot_cpu::view(args, 27, act_layout, seq_len), vk = aot_cpu::view(args, 28, act_layout, seq_len),
+                      vv = aot_cpu::view(args, 29, act_layout, seq_len), vqo = aot_cpu::view(args, 30, act_layout, seq_len),
+                      vko = aot_cpu::view(args, 31, act_layout, seq_len);
+  std::vector<T> scratch(p.head_dim);
 
   const int half = p.rotary_dims / 2;
   std::vector<float> cs(half), sn(half), normed(p.head_dim);
@@ -87,22 +94,24 @@ void run(void** args) {
       sn[i] = std::sin(angle);
     }
     for (int h = 0; h < n_q_heads; ++h) {
-      const size_t off = (static_cast<size_t>(t) * n_q_heads + h) * D;
-      norm_rope_row<A>(q + off, q_out + off, q_weight, cs.data(), sn.data(), p, normed.data());
+      norm_rope_row<A>(aot_cpu::row_in(q, vq, t, h, p.head_dim, scratch.data()), q_out + vqo.row(t, h), q_weight,
+                       cs.data(), sn.data(), p, normed.data());
     }
     const int slot = slots[t];
     // < 0: no store; >= pool_size: never written; head-major with no rows (inconsistent scalars): nothing
     const bool write = slot >= 0 && slot < pool_size && (pool_layout == 0 || pool_rows > 0);
     const size_t b = write ? static_cast<size_t>(slot / pool_rows) : 0, s = write ? static_cast<size_t>(slot % pool_rows) : 0;
     for (int h = 0; h < n_kv_heads; ++h) {
-      const size_t off = (static_cast<size_t>(t) * n_kv_heads + h) * D;
-      norm_rope_row<A>(k + off, k_out + off, k_weight, cs.data(), sn.data(), p, normed.data());
+      T* ko = k_out + vko.row(t, h);
+      norm_rope_row<A>(aot_cpu::row_in(k, vk, t, h, p.head_dim, scratch.data()), ko, k_weight, cs.data(), sn.data(),
+                       p, normed.data());
       if (write) {
+        const T* vr = aot_cpu::row_in(v, vv, t, h, p.head_dim, scratch.data());
         const size_t dst = pool_layout == 0 ? (static_cast<size_t>(slot) * n_kv_heads + h) * D
                                             : ((b * n_kv_heads + h) * pool_rows + s) * D;
         for (size_t i = 0; i < D; ++i) {
-          k_pool[dst + i] = P::store(A::load(k_out[off + i]));
-          v_pool[dst + i] = P::store(A::load(v[off + i]));
+          k_pool[dst + i] = P::store(A::load(ko[i]));
+          v_pool[dst + i] = P::store(A::load(vr[i]));
         }
       }
     }

@@ -90,10 +90,16 @@ void run(void** args) {
   const float mscale = *static_cast<const float*>(args[20]);
   const bool head_major = *static_cast<const int32_t*>(args[21]) != 0;
   // args[22] (vec_width) shapes CUDA launches only.
+  const int seq_len = *static_cast<const int32_t*>(args[23]);
+  const int act_layout = *static_cast<const int32_t*>(args[24]);
+  // Strided activations; q_out/k_out are the launcher's fresh row-contiguous arrays (unit feature stride).
+  const aot_cpu::View vq = aot_cpu::view(args, 25, act_layout, seq_len), vk = aot_cpu::view(args, 26, act_layout, seq_len),
+                      vv = aot_cpu::view(args, 27, act_layout, seq_len), vqo = aot_cpu::view(args, 28, act_layout, seq_len),
+                      vko = aot_cpu::view(args, 29, act_layout, seq_len);
+  std::vector<T> scratch(head_dim);
 
   const int half = rotary_dims / 2;
   std::vector<float> cs(half), sn(half);
-  const size_t row = static_cast<size_t>(head_dim);
   for (int t = 0; t < n_tokens; ++t) {
     // cos/sin once per (token, pair), shared by every q and k head of the token.
     const float p = static_cast<float>(positions[t]) * pos_scale;
@@ -103,19 +109,20 @@ void run(void** args) {
       sn[i] = std::sin(angle);
     }
     for (int h = 0; h < n_q_heads; ++h) {
-      const size_t off = (static_cast<size_t>(t) * n_q_heads + h) * row;
-      rotate_row<C>(q + off, q_out + off, cs.data(), sn.data(), head_dim, rotary_dims, traditional, mscale);
+      rotate_row<C>(aot_cpu::row_in(q, vq, t, h, head_dim, scratch.data()), q_out + vqo.row(t, h), cs.data(),
+                    sn.data(), head_dim, rotary_dims, traditional, mscale);
     }
     const int slot = slots[t];
     // slot < 0: rotate only; >= pool_size: never written (nor with no rows to divide by).
     const bool write = slot >= 0 && slot < pool_size && (!head_major || pool_rows > 0);
     for (int h = 0; h < n_kv_heads; ++h) {
-      const size_t off = (static_cast<size_t>(t) * n_kv_heads + h) * row;
-      rotate_row<C>(k + off, k_out + off, cs.data(), sn.data(), head_dim, rotary_dims, traditional, mscale);
+      T* ko = k_out + vko.row(t, h);
+      rotate_row<C>(aot_cpu::row_in(k, vk, t, h, head_dim, scratch.data()), ko, cs.data(), sn.data(), head_dim,
+                    rotary_dims, traditional, mscale);
       if (write) {
         const size_t dst = pool_offset(slot, h, n_kv_heads, pool_rows, head_dim, head_major);
-        store_row<C, P>(k_pool + dst, k_out + off, head_dim);
-        store_row<C, P>(v_pool + dst, v + off, head_dim);
+        store_row<C, P>(k_pool + dst, ko, head_dim);
+        store_row<C, P>(v_pool + dst, aot_cpu::row_in(v, vv, t, h, head_dim, scratch.data()), head_dim);
       }
     }
   }

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <climits>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -75,6 +76,39 @@ void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vecto
       record_inplace_write(in);
     }
   }
+}
+
+// ----------------------------------------------------------------------------- strided buffers
+
+std::array<int32_t, 4> kernel_strides(const mx::array& a, const std::string& entry, int buffer) {
+  if (a.ndim() > 4) {
+    throw std::invalid_argument("[mlx_aot] " + entry + ": strided buffer " + std::to_string(buffer) + " has " +
+                                std::to_string(a.ndim()) + " dimensions; at most 4");
+  }
+  std::array<int32_t, 4> out{0, 0, 0, 0};
+  const auto& st = a.strides();
+  const size_t lead = 4 - st.size();
+  for (size_t i = 0; i < st.size(); ++i) {
+    if (st[i] > INT32_MAX || st[i] < INT32_MIN) {
+      throw std::invalid_argument("[mlx_aot] " + entry + ": strided buffer " + std::to_string(buffer) +
+                                  " has a stride of " + std::to_string(st[i]) +
+                                  " elements, beyond int32; pass a smaller or contiguous array");
+    }
+    out[lead + i] = static_cast<int32_t>(st[i]);
+  }
+  return out;
+}
+
+std::vector<int32_t> launch_strides(const KernelBinary& bin, const std::string& entry,
+                                    const std::vector<mx::array>& inputs, const std::vector<mx::array>& outputs) {
+  std::vector<int32_t> all;
+  for (size_t b = 0; b < bin.roles.size(); ++b) {
+    if (!bin.strided[b]) continue;
+    const mx::array& a = bin.output_of[b] >= 0 ? outputs[bin.output_of[b]] : inputs[bin.input_of[b]];
+    auto s = kernel_strides(a, entry, static_cast<int>(b));
+    all.insert(all.end(), s.begin(), s.end());
+  }
+  return all;
 }
 
 // ----------------------------------------------------------------------------- launch (op level)
@@ -154,9 +188,9 @@ std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shar
     auto& a = inputs[input_of[b]];
     if (bin->roles[b] == kInplace) {
       if (!alias[input_of[b]]) a = cow_guard(a, s);
-    } else if (!a.is_available() || !a.flags().row_contiguous) {
+    } else if (!bin->strided[b] && (!a.is_available() || !a.flags().row_contiguous)) {
       a = mx::contiguous(a, false, s);  // shares the buffer when already row-contiguous
-    }
+    }  // a strided buffer goes as it is: its kernel reads it through the strides passed at eval
   }
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> dtypes;
@@ -291,12 +325,14 @@ void AotLaunch::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     }
   }
   CpuEntry fn = cpu_entry(*bin_, args_.entry);
-  // The task owns copies of the pointers and scalars; MLX's CPU eval keeps the input buffers alive
-  // until the task has run.
-  enc.dispatch([fn, ptrs = std::move(ptrs), scalars = args_.scalars]() mutable {
-    std::vector<void*> argv(ptrs.size() + scalars.size());
+  std::vector<int32_t> strides = launch_strides(*bin_, args_.entry, inputs, outputs);
+  // The task owns copies of the pointers, scalars and strides; MLX's CPU eval keeps the input
+  // buffers alive until the task has run.
+  enc.dispatch([fn, ptrs = std::move(ptrs), scalars = args_.scalars, strides = std::move(strides)]() mutable {
+    std::vector<void*> argv(ptrs.size() + scalars.size() + strides.size() / 4);
     for (size_t i = 0; i < ptrs.size(); ++i) argv[i] = &ptrs[i];
     for (size_t i = 0; i < scalars.size(); ++i) argv[ptrs.size() + i] = &scalars[i];
+    for (size_t k = 0; k < strides.size() / 4; ++k) argv[ptrs.size() + scalars.size() + k] = &strides[4 * k];
     fn(argv.data());
   });
 }

@@ -28,7 +28,7 @@ struct KernelBinary {
   std::string target;              // "cpu" | "cuda" | "metal"
   std::vector<int> roles;          // per buffer, signature order
   std::vector<int> like;           // per buffer: outputs -> buffer index giving shape/dtype, else -1
-  std::vector<std::string> dtypes; // per buffer: fixed dtype name ("int32"), or "" for the entry's dtype
+  std::vector<int> strided;        // per buffer: 1 = `strided: true` (taken as is; strides passed at eval)
   std::vector<int> scalar_types;   // per scalar
   std::vector<int> specialize;     // per scalar: 1 = Metal function constant
   int n_inputs = 0;                // buffers with role input or inplace
@@ -111,6 +111,14 @@ mx::array cow_guard(const mx::array& a, mx::StreamOrDevice s);
 
 // "float16", "int32", ... (MLX's own dtype_to_string is not exported from libmlx).
 const char* dtype_name(mx::Dtype d);
+
+// The int32[4] a strided buffer's kernel receives (docs/kernel-abi.md, "Strided buffers"): the
+// array's element strides right-aligned, leading ones 0. Throws when a stride exceeds int32 or the
+// array has more than 4 dimensions.
+std::array<int32_t, 4> kernel_strides(const mx::array& a, const std::string& entry, int buffer);
+// The strides of every strided buffer of a launch, in buffer order, flattened.
+std::vector<int32_t> launch_strides(const KernelBinary& bin, const std::string& entry,
+                                    const std::vector<mx::array>& inputs, const std::vector<mx::array>& outputs);
 
 // Fill n_inputs/n_outputs and the buffer -> input/output index maps from the roles (once, at load).
 void index_buffers(KernelBinary& bin);

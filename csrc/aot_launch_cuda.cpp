@@ -79,9 +79,11 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     }
   }
   std::vector<uint32_t> scalars = args_.scalars;
-  std::vector<void*> params(ptrs.size() + scalars.size());
+  std::vector<int32_t> strides = launch_strides(*bin_, args_.entry, inputs, outputs);  // int32[4] each
+  std::vector<void*> params(ptrs.size() + scalars.size() + strides.size() / 4);
   for (size_t i = 0; i < ptrs.size(); ++i) params[i] = &ptrs[i];
   for (size_t i = 0; i < scalars.size(); ++i) params[ptrs.size() + i] = &scalars[i];
+  for (size_t k = 0; k < strides.size() / 4; ++k) params[ptrs.size() + scalars.size() + k] = &strides[4 * k];
   dim3 block(args_.group[0], args_.group[1], args_.group[2]);
   dim3 grid((args_.grid[0] + block.x - 1) / block.x, (args_.grid[1] + block.y - 1) / block.y,
             (args_.grid[2] + block.z - 1) / block.z);

@@ -21,11 +21,11 @@ NB_MODULE(_ext, m) {
       .def("__init__",
            [](KernelBinary* self, std::string key, std::string path, std::string target, std::vector<int> roles,
               std::vector<int> like, std::vector<int> scalar_types, std::vector<int> specialize,
-              std::vector<std::string> dtypes, nb::bytes image) {
+              std::vector<int> strided, nb::bytes image) {
              if (image.size() == 0)
                throw std::invalid_argument("image is empty: an artifact is loaded from its verified bytes");
-             if (roles.size() != like.size() || roles.size() != dtypes.size())
-               throw std::invalid_argument("roles, like and dtypes differ in length");
+             if (roles.size() != like.size() || roles.size() != strided.size())
+               throw std::invalid_argument("roles, like and strided differ in length");
              if (scalar_types.size() != specialize.size())
                throw std::invalid_argument("scalar_types and specialize differ in length");
              auto* b = new (self) KernelBinary();
@@ -35,19 +35,21 @@ NB_MODULE(_ext, m) {
              b->target = std::move(target);
              b->roles = std::move(roles);
              b->like = std::move(like);
-             b->dtypes = std::move(dtypes);
+             b->strided = std::move(strided);
              b->scalar_types = std::move(scalar_types);
              b->specialize = std::move(specialize);
              for (size_t i = 0; i < b->roles.size(); ++i) {
                int r = b->roles[i];
                if (r < 0 || r > 2) throw std::invalid_argument("role must be 0 (input), 1 (output) or 2 (inplace)");
+               if (b->strided[i] && r == mlx_aot::kInplace)
+                 throw std::invalid_argument("in-place buffer " + std::to_string(i) + " cannot be strided");
                if (r == mlx_aot::kOutput &&
                    (b->like[i] < 0 || b->like[i] >= static_cast<int>(i) || b->roles[b->like[i]] == mlx_aot::kOutput))
                  throw std::invalid_argument("output buffer " + std::to_string(i) + " needs `like` = an earlier input");
              }
              mlx_aot::index_buffers(*b);
            },
-           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a, "dtypes"_a,
+           "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a, "strided"_a,
            "image"_a)
       .def_ro("key", &KernelBinary::key)
       .def_ro("path", &KernelBinary::path)

@@ -95,7 +95,7 @@ class Launcher:
             key=f"mlx_aot_{spec.name}_{digest}", path=path, target=backend,
             roles=[_ROLE[b.role] for b in sig.buffers],
             like=[names.index(b.like) if b.like else -1 for b in sig.buffers],
-            dtypes=[b.dtype or "" for b in sig.buffers],
+            strided=[int(b.strided) for b in sig.buffers],
             scalar_types=[1 if f else 0 for f in self._scalar_is_float],
             specialize=[int(s.specialize) for s in sig.scalars], **kw)
         self._buffer_names = names

@@ -117,7 +117,7 @@ def _bad(**over):
 
 @pytest.mark.parametrize("over, message", [
     (dict(q=np.zeros((3, 4, 16))), "q must be an mx.array, got ndarray"),
-    (dict(q=mx.zeros((3, 64), dtype=mx.float16)), r"q must be 3-D \[tokens, heads, head_dim\], got shape 3x64"),
+    (dict(q=mx.zeros((3, 64), dtype=mx.float16)), r"q must be 3-D \[tokens, heads, head_dim\] or 4-D \[batch, heads, seq_len, head_dim\], got shape 3x64"),
     (dict(q=mx.zeros((3, 4, 16), dtype=mx.int32)), "q dtype mlx.core.int32 is not float16, bfloat16 or float32"),
     (dict(k=mx.zeros((3, 2, 16))), "k dtype mlx.core.float32 differs from q dtype"),
     (dict(v=mx.zeros((3, 1, 16), dtype=mx.float16)), r"k 3x2x16 and v 3x1x16 must have the same shape"),

@@ -73,13 +73,53 @@ def check_arrays(kernel: str, named: dict[str, Any]) -> None:
             raise KernelArgumentError(f"{kernel}: {name} must be an mx.array, got {type(a).__name__}")
 
 
+TOKEN_MAJOR, HEAD_MAJOR_ACT = 0, 1   # the kernels' act_layout scalar (docs/kernel-abi.md)
+
+
+def rows_of(x: mx.array) -> tuple[int, int, int]:
+    """(tokens, heads, head_dim) of an activation: [T, H, D], or [B, H, L, D] with T = B * L."""
+    if x.ndim == 3:
+        return x.shape[0], x.shape[1], x.shape[2]
+    return x.shape[0] * x.shape[2], x.shape[1], x.shape[3]
+
+
+def act_scalars(x: mx.array) -> dict[str, int]:
+    """The kernels' act_layout and seq_len for activations shaped like x."""
+    return dict(act_layout=TOKEN_MAJOR, seq_len=1) if x.ndim == 3 else dict(act_layout=HEAD_MAJOR_ACT,
+                                                                            seq_len=x.shape[2])
+
+
+def to_rows(x: mx.array) -> mx.array:
+    """[B, H, L, D] -> token-major [B * L, H, D] (token t = b * L + l); [T, H, D] as it is. For the
+    reference paths: the kernels read either layout in place."""
+    if x.ndim == 3:
+        return x
+    B, H, L, D = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+
+
+def from_rows(y: mx.array, like: mx.array) -> mx.array:
+    """The inverse of to_rows for an array shaped like `like` (its heads may differ: q vs k)."""
+    if like.ndim == 3:
+        return y
+    B, _, L, D = like.shape
+    return y.reshape(B, L, y.shape[1], D).transpose(0, 2, 1, 3)
+
+
 def check_activations(kernel: str, named: dict[str, mx.array]) -> None:
-    """3-D [tokens, heads, head_dim] float arrays of one dtype (the first one's)."""
-    for name, a in named.items():
-        if a.ndim != 3:
-            raise KernelArgumentError(f"{kernel}: {name} must be 3-D [tokens, heads, head_dim], got shape "
-                                      f"{shape_str(a)}")
+    """Float arrays of one dtype (the first one's), all token-major [tokens, heads, head_dim] or all
+    head-major [batch, heads, seq_len, head_dim] (the attention's layout) of one batch and seq_len;
+    any strides (the kernels read them in place)."""
     first, *rest = named
+    rank = named[first].ndim
+    for name, a in named.items():
+        if a.ndim not in (3, 4) or a.ndim != rank:
+            like = "" if name == first else f" like {first} ({shape_str(named[first])})"
+            raise KernelArgumentError(f"{kernel}: {name} must be 3-D [tokens, heads, head_dim] or 4-D [batch, heads, "
+                                      f"seq_len, head_dim]{like}, got shape {shape_str(a)}")
+        if rank == 4 and (a.shape[0], a.shape[2]) != (named[first].shape[0], named[first].shape[2]):
+            raise KernelArgumentError(f"{kernel}: {name} {shape_str(a)} must have the batch and seq_len of {first} "
+                                      f"{shape_str(named[first])}")
     if named[first].dtype not in DTYPE_NAMES:
         raise KernelArgumentError(f"{kernel}: {first} dtype {named[first].dtype} is not float16, bfloat16 or float32")
     for name in rest:

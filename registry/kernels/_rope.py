@@ -10,7 +10,8 @@ import mlx.core as mx
 
 from ..errors import KernelArgumentError
 from ..rope import RopeConfig, UnsupportedRope, normalize_rope
-from ._base import PoolGeometry, check_activations, check_arrays, check_index, check_pool_ranks, check_pools, shape_str
+from ._base import (PoolGeometry, check_activations, check_arrays, check_index, check_pool_ranks, check_pools, rows_of,
+                    shape_str)
 
 
 def rope_config(kernel: str, rope: Any) -> RopeConfig:
@@ -22,18 +23,19 @@ def rope_config(kernel: str, rope: Any) -> RopeConfig:
 
 
 def check_rope_args(kernel: str, q, k, v, positions, slots, k_pool, v_pool, rope: RopeConfig) -> PoolGeometry:
-    """q [T, Hq, D], k and v [T, Hkv, D] of one float dtype, Hq a multiple of Hkv, D even and at least
-    rope.rotary_dims, int32 positions and slots [T], pools of either layout; returns the pools' geometry."""
+    """q [T, Hq, D], k and v [T, Hkv, D] (or all [B, H, L, D], T = B * L) of one float dtype, Hq a
+    multiple of Hkv, D even and at least rope.rotary_dims, int32 positions and slots [T], pools of
+    either layout; returns the pools' geometry."""
     check_arrays(kernel, dict(q=q, k=k, v=v, positions=positions, slots=slots, k_pool=k_pool, v_pool=v_pool))
     check_activations(kernel, dict(q=q, k=k, v=v))
     check_pool_ranks(kernel, k_pool, v_pool)
-    T, Hq, D = q.shape
+    T, Hq, D = rows_of(q)
     if k.shape != v.shape:
         raise KernelArgumentError(f"{kernel}: k {shape_str(k)} and v {shape_str(v)} must have the same shape")
-    if k.shape[0] != T or k.shape[2] != D:
-        raise KernelArgumentError(f"{kernel}: k {shape_str(k)} must be [tokens={T}, n_kv_heads, head_dim={D}] "
-                                  f"to match q {shape_str(q)}")
-    Hkv = k.shape[1]
+    Tk, Hkv, Dk = rows_of(k)
+    if Tk != T or Dk != D:
+        want = f"[tokens={T}, n_kv_heads, head_dim={D}]" if q.ndim == 3 else f"[batch, n_kv_heads, seq_len, head_dim={D}]"
+        raise KernelArgumentError(f"{kernel}: k {shape_str(k)} must be {want} to match q {shape_str(q)}")
     if Hkv == 0 or Hq % Hkv:
         raise KernelArgumentError(f"{kernel}: q has {Hq} heads, not a multiple of k's {Hkv} heads")
     if D % 2:

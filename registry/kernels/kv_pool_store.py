@@ -11,8 +11,8 @@ Always rebind the pools: `k_pool, v_pool = kernel(...)`.
 
 from __future__ import annotations
 
-from ._base import (PoolGeometry, PoolKernel, check_activations, check_arrays, check_index, check_pools, pool_dtype_key,
-                    shape_str, store_rows)
+from ._base import (PoolGeometry, PoolKernel, act_scalars, check_activations, check_arrays, check_index, check_pools,
+                    pool_dtype_key, rows_of, shape_str, store_rows, to_rows)
 from ..errors import KernelArgumentError
 
 KERNEL_NAME = "kv_pool_store"
@@ -39,18 +39,18 @@ class KvPoolStoreKernel(PoolKernel):
         check_activations(KERNEL_NAME, dict(k=k, v=v))
         if k.shape != v.shape:
             raise KernelArgumentError(f"kv_pool_store: k {shape_str(k)} and v {shape_str(v)} must have the same shape")
-        T, Hkv, D = k.shape
+        T, Hkv, D = rows_of(k)
         check_index(KERNEL_NAME, "slots", slots, T)
         check_pools(KERNEL_NAME, k_pool, v_pool, Hkv, D)
 
     def reference(self, k, v, slots, k_pool, v_pool):
-        return store_rows(k_pool, slots, k), store_rows(v_pool, slots, v)
+        return store_rows(k_pool, slots, to_rows(k)), store_rows(v_pool, slots, to_rows(v))
 
     def launch_config(self, k, v, slots, k_pool, v_pool):
-        T, Hkv, D = k.shape
+        T, Hkv, D = rows_of(k)
         pool = PoolGeometry(k_pool)
         width = cuda_vector_width(D, k.dtype.size, k_pool.dtype.size) if self.backend == "cuda" else 1
-        scalars = dict(n_tokens=T, n_kv_heads=Hkv, head_dim=D, vec_width=width, **pool.scalars)
+        scalars = dict(n_tokens=T, n_kv_heads=Hkv, head_dim=D, vec_width=width, **pool.scalars, **act_scalars(k))
         if self.backend == "cuda":        # one thread per vector of a row, rows token-major
             grid, group = (T * Hkv * (D // width), 1, 1), (256, 1, 1)
         elif self.backend == "metal":     # one thread per feature

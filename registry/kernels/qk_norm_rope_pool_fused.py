@@ -20,7 +20,8 @@ from ..core import SelectionContext
 from ..errors import KernelArgumentError
 from ..norm import NormConfig
 from ..rope import RopeConfig
-from ._base import PoolGeometry, PoolKernel, check_arrays, pool_dtype_key, shape_str, store_rows
+from ._base import (PoolGeometry, PoolKernel, act_scalars, check_arrays, from_rows, pool_dtype_key, rows_of, shape_str,
+                    store_rows, to_rows)
 from ._rope import check_rope_args, inv_freq, rope_config, rope_scalars, rotate
 
 KERNEL_NAME = "qk_norm_rope_pool_fused"
@@ -55,7 +56,7 @@ class QkNormRopePoolFusedKernel(PoolKernel):
     def validate(self, q, k, v, positions, slots, k_pool, v_pool, q_weight, k_weight) -> None:
         check_rope_args(KERNEL_NAME, q, k, v, positions, slots, k_pool, v_pool, self.rope)
         check_arrays(KERNEL_NAME, dict(q_weight=q_weight, k_weight=k_weight))
-        D = q.shape[2]
+        D = q.shape[-1]
         for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
             if w.shape != (D,) or not mx.issubdtype(w.dtype, mx.floating):
                 raise KernelArgumentError(f"{KERNEL_NAME}: {name} must be a float [head_dim={D}] array (the "
@@ -67,17 +68,18 @@ class QkNormRopePoolFusedKernel(PoolKernel):
         return mx.fast.rms_norm(x32, w.astype(mx.float32) + self.norm.weight_offset, self.norm.eps).astype(x.dtype)
 
     def reference(self, q, k, v, positions, slots, k_pool, v_pool, q_weight, k_weight):
-        q_out = rotate(self._normed(q, q_weight), positions, self.rope)
-        k_out = rotate(self._normed(k, k_weight), positions, self.rope)
-        return q_out, k_out, store_rows(k_pool, slots, k_out), store_rows(v_pool, slots, v)
+        q_out = rotate(self._normed(to_rows(q), q_weight), positions, self.rope)
+        k_out = rotate(self._normed(to_rows(k), k_weight), positions, self.rope)
+        return (from_rows(q_out, q), from_rows(k_out, k), store_rows(k_pool, slots, k_out),
+                store_rows(v_pool, slots, to_rows(v)))
 
     def launch_config(self, q, k, v, positions, slots, k_pool, v_pool, q_weight, k_weight):
-        T, Hq, D = q.shape
+        T, Hq, D = rows_of(q)
         Hkv = k.shape[1]
         rows = T * (Hq + Hkv)
         scalars = dict(n_tokens=T, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D, eps=self.norm.eps,
                        weight_offset=self.norm.weight_offset, **rope_scalars(self.rope),
-                       **PoolGeometry(k_pool).scalars)
+                       **PoolGeometry(k_pool).scalars, **act_scalars(q))
         if self.backend == "cuda":        # one warp per row, 1-D
             grid, group = (rows * 32, 1, 1), (32 * ROWS_PER_GROUP, 1, 1)
         elif self.backend == "metal":     # 32 threads per row along x, rows along y

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..core import SelectionContext
 from ..rope import RopeConfig
-from ._base import PoolGeometry, PoolKernel, pool_dtype_key, store_rows
+from ._base import PoolGeometry, PoolKernel, act_scalars, from_rows, pool_dtype_key, rows_of, store_rows, to_rows
 from ._rope import check_rope_args, inv_freq, rope_config, rope_scalars, rotate
 
 KERNEL_NAME = "rope_pool_fused"
@@ -109,11 +109,12 @@ class RopePoolFusedKernel(PoolKernel):
         check_rope_args(KERNEL_NAME, q, k, v, positions, slots, k_pool, v_pool, self.rope)
 
     def reference(self, q, k, v, positions, slots, k_pool, v_pool):
-        q_rot, k_rot = rotate(q, positions, self.rope), rotate(k, positions, self.rope)
-        return q_rot, k_rot, store_rows(k_pool, slots, k_rot), store_rows(v_pool, slots, v)
+        q_rot, k_rot = rotate(to_rows(q), positions, self.rope), rotate(to_rows(k), positions, self.rope)
+        return (from_rows(q_rot, q), from_rows(k_rot, k), store_rows(k_pool, slots, k_rot),
+                store_rows(v_pool, slots, to_rows(v)))
 
     def launch_config(self, q, k, v, positions, slots, k_pool, v_pool):
-        T, Hq, D = q.shape
+        T, Hq, D = rows_of(q)
         Hkv, R = k.shape[1], self.rope.rotary_dims
         hpt = pick_heads_per_thread(Hq, Hkv, T)
         width = cuda_vector_width(D, R, q.dtype.size) if self.backend == "cuda" else 1
@@ -124,7 +125,7 @@ class RopePoolFusedKernel(PoolKernel):
         else:
             grid, group = (1, 1, 1), (1, 1, 1)
         scalars = dict(n_tokens=T, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D, heads_per_thread=hpt,
-                       vec_width=width, **rope_scalars(self.rope), **PoolGeometry(k_pool).scalars)
+                       vec_width=width, **rope_scalars(self.rope), **PoolGeometry(k_pool).scalars, **act_scalars(q))
         return pool_dtype_key(q.dtype, k_pool.dtype), scalars, grid, group
 
     def launch_arrays(self, q, k, v, positions, slots, k_pool, v_pool):
