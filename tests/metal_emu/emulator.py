@@ -677,6 +677,9 @@ class EmulatedMetal:
     def KernelBinary(self, *, key, path, target, roles, like, scalar_types, specialize, strided):  # noqa: N802
         if len(roles) != len(like) or len(roles) != len(strided) or len(scalar_types) != len(specialize):
             raise ValueError("roles, like and strided, or scalar_types and specialize, differ in length")
+        for i, (role, st) in enumerate(zip(roles, strided)):
+            if st and role == 2:   # as the extension's binding: an aliased pool is row-contiguous
+                raise ValueError(f"in-place buffer {i} cannot be strided")
         return SimpleNamespace(key=key, path=path, target=target, roles=list(roles), like=list(like),
                                strided=[int(x) for x in strided], scalar_types=list(scalar_types),
                                specialize=list(specialize))
@@ -758,7 +761,8 @@ def kernel_strides(strides: Sequence[int], entry: str, buffer: int) -> np.ndarra
         raise ValueError(f"[mlx_aot] {entry}: strided buffer {buffer} has {len(strides)} dimensions; at most 4")
     for s in strides:
         if not -2**31 <= s < 2**31:
-            raise ValueError(f"[mlx_aot] {entry}: strided buffer {buffer} has stride {s}, outside int32")
+            raise ValueError(f"[mlx_aot] {entry}: strided buffer {buffer} has a stride of {s} elements, beyond "
+                             f"int32; pass a smaller or contiguous array")
     return np.array([0] * (4 - len(strides)) + list(strides), dtype=np.int32)
 
 
