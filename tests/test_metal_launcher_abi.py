@@ -8,8 +8,12 @@ macOS headers, its Metal calls recorded). What it binds and dispatches is then c
 - the .metal source (parsed and C++-type-resolved by tests/metal_emu: `[[buffer(i)]]` parameters,
   `[[function_constant(i)]]` constants): every buffer index the launcher binds is declared with the
   signature's name, element type and constness; set_bytes scalars are `constant T&` at their index;
-  function constants have the launcher's index and type and the scalar's name; nothing is left unbound;
-- docs/kernel-abi.md's tables for the kernel (buffer index, name, role, dtype; scalar type and Metal slot);
+  each strided buffer's int32[4] follows them, in buffer order, as `constant int4& <buffer>_strides`,
+  holding the right-aligned strides of the array bound there (the probe's strided inputs are
+  transposed views, distinct per buffer); function constants have the launcher's index and type and
+  the scalar's name; nothing is left unbound;
+- docs/kernel-abi.md's tables for the kernel (buffer index, name, role, dtype; scalar type and Metal
+  slot; the strides' Metal buffers);
 - the plan: one dispatch_threads(grid, threadgroup) with the wrapper's total-threads grid, none for
   an empty grid;
 - the emulator's stand-in for the launcher (EmulatedMetal), which must bind exactly the same way.
@@ -94,7 +98,9 @@ def python_plan(spec, dtype: str, grid=GRID, group=GROUP, values=None):
 @dataclass
 class LauncherAbi:
     """What one eval_gpu bound and dispatched, in the signature's terms."""
-    buffers: dict[int, tuple[str, str]] = field(default_factory=dict)   # index -> (name, read|write|bytes)
+    buffers: dict[int, tuple[str, str]] = field(default_factory=dict)   # index -> (name, read|write|bytes|strides)
+    strides: dict[int, tuple[int, ...]] = field(default_factory=dict)   # strides index -> the int32[4] set
+    array_strides: dict[int, tuple[int, ...]] = field(default_factory=dict)  # array index -> its MLX strides
     dtypes: dict[int, str] = field(default_factory=dict)                # index -> dtype of the bound array
     constants: dict[int, tuple[str, str]] = field(default_factory=dict)  # index -> (scalar, int|float)
     dispatches: list[tuple[str, tuple, tuple]] = field(default_factory=list)
@@ -107,8 +113,8 @@ class LauncherAbi:
 def run_launcher(probe: Path, spec, dtype: str, grid=GRID, group=GROUP, values=None) -> LauncherAbi:
     binary, plan = python_plan(spec, dtype, grid, group, values)
     lines = [f"{plan.entry} {plan.dtype}"]
-    for values in (binary.roles, binary.like, [d or "-" for d in binary.dtypes], binary.scalar_types,
-                   binary.specialize, plan.scalars, plan.buffer_dtypes):
+    for values in (binary.roles, binary.like, binary.strided, binary.scalar_types, binary.specialize, plan.scalars,
+                   plan.buffer_dtypes):
         lines.append(" ".join(map(str, [len(values), *values])))
     lines.append(" ".join(map(str, [*plan.grid, *plan.group])))
     p = subprocess.run([str(probe)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
@@ -122,6 +128,8 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
     outputs = [b.name for b in sig.buffers if b.role in ("output", "inplace")]
     role = {b.name: b.role for b in sig.buffers}
     by_bits = {bits: s for bits, s in zip(plan.scalars, sig.scalars)}
+    strided = [i for i, b in enumerate(sig.buffers) if b.strided]
+    first_strides = len(sig.buffers) + sum(not s.specialize for s in sig.scalars)
     abi = LauncherAbi()
 
     def bind(index: int, what: tuple[str, str], offset: int = 0) -> None:
@@ -137,6 +145,7 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
             index, pos, offset = map(int, rest[:3])
             bind(index, (inputs[pos], "read"), offset)
             abi.dtypes[index] = rest[3]
+            abi.array_strides[index] = tuple(map(int, rest[5:]))
             if role[inputs[pos]] == "inplace":
                 abi.problems.append(f"in-place {inputs[pos]} bound as an input: the encoder would not order its "
                                     f"readers after the write")
@@ -145,16 +154,22 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
             name = outputs[pos]
             bind(index, (name, "write"), offset)
             abi.dtypes[index] = rest[4]
+            abi.array_strides[index] = tuple(map(int, rest[6:]))
             want = inputs.index(name) if role[name] == "inplace" else -1
             if shares != want:
                 abi.problems.append(f"output {name} at [[buffer({index})]] shares the buffer of input {shares}, "
                                     f"expected {want}")
+        elif word == "bytes" and rest[1] == "16":  # a strided buffer's int32[4], named by its index
+            index, k = int(rest[0]), int(rest[0]) - first_strides
+            name = f"{sig.buffers[strided[k]].name}_strides" if 0 <= k < len(strided) else f"<strides at {index}>"
+            bind(index, (name, "strides"))
+            abi.strides[index] = tuple(map(int, rest[2:]))
         elif word == "bytes":
-            index, length, bits = map(int, rest)
-            s = by_bits.get(bits)
-            bind(index, (s.name if s else f"<bits {bits:#x}>", "bytes"))
+            index, length, *bits = map(int, rest)
+            s = by_bits.get(bits[0]) if length == 4 else None
+            bind(index, (s.name if s else f"<{length} bytes>", "bytes"))
             if length != 4:
-                abi.problems.append(f"set_bytes at {index}: {length} bytes (scalars are 4)")
+                abi.problems.append(f"set_bytes at {index}: {length} bytes (scalars are 4, strides 16)")
         elif word == "constant":  # index, int|float|other, value bits, MTLDataType
             index, type_, bits = int(rest[0]), rest[1], int(rest[2])
             s = by_bits.get(bits)
@@ -178,6 +193,18 @@ def parse_record(text: str, spec, plan) -> LauncherAbi:
             abi.pipeline_name = rest[1]
         elif word == "message" and rest[0] == "1" or word == "buffer":
             abi.problems.append(f"a call on the compute encoder this check does not model: {line}")
+    for k, b in enumerate(strided):
+        index, name = first_strides + k, f"{sig.buffers[b].name}_strides"
+        if abi.buffers.get(index) != (name, "strides"):
+            abi.problems.append(f"{name} must be set (16 bytes) at [[buffer({index})]], after the scalars in buffer "
+                                f"order; found {abi.buffers.get(index)}")
+            continue
+        # The array's element strides right-aligned into 4 (docs/kernel-abi.md, "Strided buffers").
+        st = abi.array_strides.get(b, ())
+        want = (0,) * (4 - len(st)) + st
+        if abi.strides[index] != want:
+            abi.problems.append(f"{name} at [[buffer({index})]] is {abi.strides[index]}, the array bound at "
+                                f"[[buffer({b})]] has strides {st}: expected {want}")
     passed = [name for name, access in abi.buffers.values() if access == "bytes"] + \
         [name for name, _ in abi.constants.values()]
     if sorted(passed) != sorted(s.name for s in sig.scalars):
@@ -205,6 +232,11 @@ def check_against_source(abi: LauncherAbi, spec, dtype: str, desc: dict, source)
         p = params[index]
         if p["name"] != name:
             raise AbiMismatch(f"{where}: [[buffer({index})]] is {p['name']!r}, the launcher binds {name!r} there")
+        if access == "strides":
+            if not (p["ref"] and p["const"] and p["elem"] == "int4"):
+                raise AbiMismatch(f"{where}: [[buffer({index})]] {name}: the launcher sets an int32[4] (16 bytes), "
+                                  f"the kernel must take `constant int4&`, not {p['elem']}{' &' if p['ref'] else ' *'}")
+            continue
         if access == "bytes":
             want = METAL_ELEM[scalars[name].type]
             if not (p["ref"] and p["const"] and p["elem"] == want):
@@ -232,9 +264,11 @@ def check_against_source(abi: LauncherAbi, spec, dtype: str, desc: dict, source)
                               f"there (name it {name.upper()})")
 
 
-def doc_tables(text: str, kernel: str) -> tuple[dict[int, tuple[str, str, str]], dict[str, tuple[str, str]]]:
-    """docs/kernel-abi.md's `## <kernel>` section: buffer index -> (name, role, dtype) and
-    scalar -> (type, Metal slot: 'buffer N' or 'function_constant(k)')."""
+def doc_tables(text: str, kernel: str) -> tuple[dict[int, tuple[str, str, str]], dict[str, tuple[str, str]],
+                                                dict[str, int]]:
+    """docs/kernel-abi.md's `## <kernel>` section: buffer index -> (name, role, dtype),
+    scalar -> (type, Metal slot: 'buffer N' or 'function_constant(k)') and, from its
+    "Strides (Metal buffer): `q_strides` 14, ..." line, strides name -> Metal buffer."""
     m = re.search(rf"^## {re.escape(kernel)}\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
     if m is None:
         raise AbiMismatch(f"{KERNEL_ABI}: no `## {kernel}` section with its buffer and scalar tables")
@@ -244,11 +278,15 @@ def doc_tables(text: str, kernel: str) -> tuple[dict[int, tuple[str, str, str]],
     for row in re.finditer(r"^\|\s*(\w+)\s*\|\s*(int32|float32)\b[^|]*\|\s*(buffer \d+|function_constant\(\d+\))\s*\|",
                            m.group(1), re.M):
         scalars[row.group(1)] = (row.group(2), row.group(3))
-    return buffers, scalars
+    strides = {}
+    line = re.search(r"^Strides \(Metal buffer\):(.*?)(?:\.\s|\.$|\n\n)", m.group(1), re.M | re.S)
+    if line:
+        strides = {name: int(i) for name, i in re.findall(r"`(\w+)`\s+(\d+)", line.group(1))}
+    return buffers, scalars, strides
 
 
 def check_against_docs(abi: LauncherAbi, spec, text: str) -> None:
-    buffers, scalars = doc_tables(text, spec.name)
+    buffers, scalars, strides = doc_tables(text, spec.name)
     sig = spec.signature
     role = {b.name: b for b in sig.buffers}
     stype = {s.name: s.type for s in sig.scalars}
@@ -256,7 +294,8 @@ def check_against_docs(abi: LauncherAbi, spec, text: str) -> None:
     # activation dtype.
     symbol = {b.name: b.dtype or ("P" if b.dtype_group == "pool" else "T") for b in sig.buffers}
     want_b = {i: (name, role[name].role, symbol[name]) for i, (name, access) in abi.buffers.items()
-              if access != "bytes"}
+              if access in ("read", "write")}
+    want_strides = {name: i for i, (name, access) in abi.buffers.items() if access == "strides"}
     want_s = {name: (stype[name], f"buffer {i}") for i, (name, access) in abi.buffers.items() if access == "bytes"}
     want_s.update({name: (stype[name], f"function_constant({k})") for k, (name, _) in abi.constants.items()})
     if buffers != want_b:
@@ -264,6 +303,9 @@ def check_against_docs(abi: LauncherAbi, spec, text: str) -> None:
                           f"(index: name, role, dtype)")
     if scalars != want_s:
         raise AbiMismatch(f"{KERNEL_ABI} ## {spec.name}: scalar table {scalars}, the launcher passes {want_s}")
+    if strides != want_strides:
+        raise AbiMismatch(f"{KERNEL_ABI} ## {spec.name}: \"Strides (Metal buffer)\" says {strides}, the launcher "
+                          f"sets {want_strides}")
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -277,7 +319,10 @@ def test_launcher_abi_matches_source_and_docs(probe, emu_cache, kernel, dtype):
     assert abi.image_bytes == len(IMAGE), \
         "the library must be built from the verified bytes (KernelBinary.image, docs/native.md)"
     n_bytes = sum(not s.specialize for s in spec.signature.scalars)
-    assert len(abi.buffers) == len(spec.signature.buffers) + n_bytes, abi.buffers
+    n_strided = sum(b.strided for b in spec.signature.buffers)
+    assert len(abi.buffers) == len(spec.signature.buffers) + n_bytes + n_strided, abi.buffers
+    assert len(set(abi.strides.values())) == n_strided, \
+        f"the probe's strided arrays must have distinct strides, so a swap shows: {abi.strides}"
     binary, plan = python_plan(spec, dtype)
     assert abi.dispatches == [("dispatch_threads", plan.grid, plan.group)], \
         "the launcher must dispatch the wrapper's grid of threads once, with its threadgroup (docs/kernel-abi.md)"
@@ -326,11 +371,12 @@ def test_emulator_binds_like_the_launcher(probe, emu_cache, kernel, dtype):
     emu_plan = emu.LaunchArgs(plan.entry, plan.scalars, plan.grid, plan.group, plan.dtype, plan.buffer_dtypes)
     arrays = []
     for i, b in enumerate(spec.signature.buffers):
-        if b.role != "output":
-            t = getattr(mx, plan.buffer_dtypes[i])
-            arrays.append(mx.full((len(arrays) + 1,), len(arrays) + 1, dtype=t))
+        if b.role != "output":   # as the probe makes them: strided inputs are transposed views
+            t, n = getattr(mx, plan.buffer_dtypes[i]), len(arrays)
+            arrays.append(mx.full((2, n + 2, 3, 4), n + 1, dtype=t).transpose(0, 2, 1, 3) if b.strided
+                          else mx.full((n + 1,), n + 1, dtype=t))
     emu.launch(binary, emu_plan, arrays)
-    sizes = {b.name: i + 1 for i, b in enumerate(spec.signature.inputs)}
+    sizes = {b.name: a.size for b, a in zip(spec.signature.inputs, arrays)}
     likes = {b.name: b.like for b in spec.signature.buffers}
     by_bits = {bits: s.name for bits, s in zip(plan.scalars, spec.signature.scalars)}
     for index, (name, access) in abi.buffers.items():
@@ -338,6 +384,8 @@ def test_emulator_binds_like_the_launcher(probe, emu_cache, kernel, dtype):
         assert a is not None, f"the emulator binds nothing at [[buffer({index})]], the launcher binds {name}"
         if access == "bytes":
             assert a.nbytes == 4 and by_bits[int(a.view("uint32")[0])] == name, (index, name)
+        elif access == "strides":
+            assert a.dtype == "int32" and tuple(a.tolist()) == abi.strides[index], (index, name, a, abi.strides[index])
         else:
             assert a.size == sizes[likes[name] or name], f"[[buffer({index})]]: the emulator binds another array"
             assert str(a.dtype) == {"bfloat16": "uint16"}.get(abi.dtypes[index], abi.dtypes[index]), (index, a.dtype)
@@ -367,11 +415,12 @@ def _planted(emu_cache, where: Path, *edits: tuple[str, str]):
 
 
 def test_planted_shifted_buffer_index_fails(probe, emu_cache, cache_dir):
-    """The first set_bytes scalar moved from [[buffer(n_buffers)]] to n_buffers + 7 (template and entries)."""
+    """The first set_bytes scalar moved from [[buffer(n_buffers)]] to n_buffers + 12, past the strides
+    buffers (template and entries)."""
     n = len(ROPE.signature.buffers)
-    lib = _planted(emu_cache, cache_dir / "shifted_buffer", (f"[[buffer({n})]]", f"[[buffer({n + 7})]]"))
+    lib = _planted(emu_cache, cache_dir / "shifted_buffer", (f"[[buffer({n})]]", f"[[buffer({n + 12})]]"))
     dtype = next(iter(ROPE.entries))
-    with pytest.raises(AbiMismatch, match=rf"unbound: \[{n + 7}\], not declared: \[{n}\]"):
+    with pytest.raises(AbiMismatch, match=rf"unbound: \[{n + 12}\], not declared: \[{n}\]"):
         check_against_source(run_launcher(probe, ROPE, dtype), ROPE, dtype, lib.describe(), lib.source)
 
 
@@ -388,7 +437,10 @@ def test_planted_swapped_function_constants_fail(probe, emu_cache, cache_dir):
     ("int slot = n_buffers;", "int slot = n_buffers + 1;", r"unbound: \[{n}\], not declared: \[{n2}\]"),
     ("MTL::DataType::DataTypeFloat : MTL::DataType::DataTypeInt", "MTL::DataType::DataTypeInt : "
      "MTL::DataType::DataTypeFloat", r"function_constant\(0\) N_Q_HEADS is int, the launcher passes n_q_heads as float"),
-], ids=["scalar-slots-shifted", "constant-types-swapped"])
+    ("if (!bin_->strided[b]) continue;", "continue;", r"unbound: \[{s}, {s1}, \d+, \d+, \d+\], not declared: \[\]"),
+    ("output_of[b] >= 0 ? outputs[output_of[b]] : inputs[input_of[b]]", "inputs[0]",
+     r"k_strides at \[\[buffer\({s1}\)\]\] is \(\d+, 4, \d+, 1\), the array bound at \[\[buffer\(1\)\]\] has strides"),
+], ids=["scalar-slots-shifted", "constant-types-swapped", "strides-missing", "strides-of-another-buffer"])
 def test_planted_launcher_change_fails(metal_headers, cache_dir, emu_cache, tmp_path, good, bad, error):  # noqa: F811
     """The launcher's mapping comes from its code, not from a model of it: a planted change in
     csrc/aot_launch_metal.cpp changes what the probe records, and the check fails."""
@@ -403,8 +455,13 @@ def test_planted_launcher_change_fails(metal_headers, cache_dir, emu_cache, tmp_
     lib = compile_kernel(ROPE, emu_cache)
     n = len(ROPE.signature.buffers)
     n_bytes = sum(not s.specialize for s in ROPE.signature.scalars)
-    with pytest.raises(AbiMismatch, match=error.format(n=n, n2=n + n_bytes)):
-        check_against_source(run_launcher(planted, ROPE, dtype), ROPE, dtype, lib.describe(), lib.source)
+    n_strided = sum(b.strided for b in ROPE.signature.buffers)
+    with pytest.raises(AbiMismatch, match=error.format(n=n, n2=n + n_bytes + n_strided, s=n + n_bytes,
+                                                       s1=n + n_bytes + 1)):
+        abi = run_launcher(planted, ROPE, dtype)
+        check_against_source(abi, ROPE, dtype, lib.describe(), lib.source)
+        if abi.problems:   # what the source cannot tell: e.g. the strides of another buffer
+            raise AbiMismatch("; ".join(abi.problems))
 
 
 def test_planted_doc_mismatch_fails(probe):
@@ -414,5 +471,7 @@ def test_planted_doc_mismatch_fails(probe):
     check_against_docs(abi, spec, text)
     with pytest.raises(AbiMismatch, match="scalar table"):
         check_against_docs(abi, spec, re.sub(r"function_constant\(0\)", "function_constant(9)", text, count=1))
+    with pytest.raises(AbiMismatch, match=r"\"Strides \(Metal buffer\)\" says .*'k_strides': 16"):
+        check_against_docs(abi, spec, text.replace("`k_strides` 15", "`k_strides` 16", 1))
     with pytest.raises(AbiMismatch, match="no `## missing_kernel` section"):
         check_against_docs(abi, SimpleNamespace(name="missing_kernel", signature=spec.signature), text)

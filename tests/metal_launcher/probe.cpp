@@ -5,9 +5,9 @@
 // Mac (mlx::core::metal's out-of-line device and encoder functions) and the Objective-C runtime are
 // defined here as recorders: they print the call and return a token, nothing runs on a GPU.
 //
-// stdin: entry, dtype (the entry key), then one line each of roles, like, dtypes ("-" = the entry's),
-// scalar_types, specialize, scalar bits, buffer dtypes (the plan's, per buffer), grid (3) and
-// threadgroup (3); every list starts with its length.
+// stdin: entry, dtype (the entry key), then one line each of roles, like, strided (0/1), scalar_types,
+// specialize, scalar bits, buffer dtypes (the plan's, per buffer), grid (3) and threadgroup (3);
+// every list starts with its length.
 #include <dispatch/dispatch.h>
 
 #include <Metal/Metal.hpp>
@@ -50,6 +50,13 @@ int buffer_of(const std::vector<mx::array>& arrays, const mx::array& a) {
   return -1;
 }
 
+// " <ndim> <strides...>": an array's element strides as MLX holds them.
+std::string strides_of(const mx::array& a) {
+  std::string out = " " + std::to_string(a.ndim());
+  for (auto s : a.strides()) out += " " + std::to_string(s);
+  return out;
+}
+
 std::vector<int> read_ints(std::istream& in) {
   size_t n = 0;
   in >> n;
@@ -77,9 +84,19 @@ extern "C" void* probe_message(const void* self, const char* sel, uintptr_t a, u
     return nullptr;
   }
   if (on_encoder && std::strcmp(sel, "setBytes:length:atIndex:") == 0) {
-    uint32_t bits = 0;
-    if (b == 4) std::memcpy(&bits, reinterpret_cast<const void*>(a), 4);
-    std::printf("bytes %lu %lu %u\n", static_cast<unsigned long>(c), static_cast<unsigned long>(b), bits);
+    // index, length, then the bytes as 32-bit words: one for a scalar, four for a strided buffer's
+    // int32[4] (printed signed); any other length is printed without its contents.
+    std::printf("bytes %lu %lu", static_cast<unsigned long>(c), static_cast<unsigned long>(b));
+    if (b == 4) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, reinterpret_cast<const void*>(a), 4);
+      std::printf(" %u", bits);
+    } else if (b == 16) {
+      int32_t s[4];
+      std::memcpy(s, reinterpret_cast<const void*>(a), 16);
+      std::printf(" %d %d %d %d", s[0], s[1], s[2], s[3]);
+    }
+    std::printf("\n");
     return nullptr;
   }
   std::printf("message %d %s\n", on_encoder, sel);
@@ -128,13 +145,13 @@ MTL::ComputeCommandEncoder* CommandEncoder::get_command_encoder() {
 }
 
 void CommandEncoder::set_input_array(const array& a, int idx, int64_t offset) {
-  std::printf("input %d %d %ld %s\n", idx, position_of(*g_inputs, a), static_cast<long>(offset),
-              mlx_aot::dtype_name(a.dtype()));
+  std::printf("input %d %d %ld %s%s\n", idx, position_of(*g_inputs, a), static_cast<long>(offset),
+              mlx_aot::dtype_name(a.dtype()), strides_of(a).c_str());
 }
 
 void CommandEncoder::set_output_array(array& a, int idx, int64_t offset) {
-  std::printf("output %d %d %d %ld %s\n", idx, position_of(*g_outputs, a), buffer_of(*g_inputs, a),
-              static_cast<long>(offset), mlx_aot::dtype_name(a.dtype()));
+  std::printf("output %d %d %d %ld %s%s\n", idx, position_of(*g_outputs, a), buffer_of(*g_inputs, a),
+              static_cast<long>(offset), mlx_aot::dtype_name(a.dtype()), strides_of(a).c_str());
 }
 
 void CommandEncoder::set_buffer(const MTL::Buffer*, int idx, int64_t offset) {
@@ -164,13 +181,8 @@ int main() {
   std::cin >> args->entry >> args->dtype;
   bin->roles = read_ints(std::cin);
   bin->like = read_ints(std::cin);
+  bin->strided = read_ints(std::cin);
   size_t n = 0;
-  std::cin >> n;
-  for (size_t i = 0; i < n; ++i) {
-    std::string d;
-    std::cin >> d;
-    bin->dtypes.push_back(d == "-" ? "" : d);
-  }
   bin->scalar_types = read_ints(std::cin);
   bin->specialize = read_ints(std::cin);
   std::cin >> n;
@@ -187,8 +199,9 @@ int main() {
   }
   mlx_aot::index_buffers(*bin);
 
-  // Input i gets i + 1 elements of the plan's dtype for it, so every array is distinct; outputs as
-  // launch() makes them (an output has its `like` input's dtype).
+  // Input i gets i + 1 elements of the plan's dtype for it, so every array is distinct; a strided one
+  // is a [2, 3, i + 2, 4] transposed view (strides distinct per input, not row-contiguous). Outputs as
+  // launch() makes them (an output has its `like` input's dtype and shape, row-contiguous).
   auto dtype_of = [&](const std::string& name) {
     for (auto d : {mx::float16, mx::bfloat16, mx::float32, mx::int32, mx::uint32})
       if (name == mlx_aot::dtype_name(d)) return d;
@@ -199,7 +212,12 @@ int main() {
   for (size_t b = 0; b < bin->roles.size(); ++b) {
     if (bin->input_of[b] < 0) continue;
     mx::Dtype t = dtype_of(args->buffer_dtypes.at(b));
-    inputs.push_back(mx::zeros({static_cast<int>(inputs.size()) + 1}, t, mx::Device::cpu));
+    const int i = static_cast<int>(inputs.size());
+    if (bin->strided.at(b)) {
+      inputs.push_back(mx::transpose(mx::zeros({2, i + 2, 3, 4}, t, mx::Device::cpu), {0, 2, 1, 3}, mx::Device::cpu));
+    } else {
+      inputs.push_back(mx::zeros({i + 1}, t, mx::Device::cpu));
+    }
   }
   mx::eval(inputs);
   mx::Stream stream(0, mx::Device::gpu);
