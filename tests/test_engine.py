@@ -138,7 +138,8 @@ def test_engine_uses_the_native_kernel_where_selected(native_artifacts):
         type(kset.rope).__call__ = original
     # 2 layers x (2 prefills + 2 batched decode steps), one fused call per layer each
     assert len(shapes) == 2 * (2 + 2)
-    assert shapes[0] == (5, 4, 16) and shapes[2] == (2, 4, 16) and shapes[-1] == (2, 4, 16)
+    # q as the attention holds it, [B, H, L, D]: the kernel reads it in place (strided)
+    assert shapes[0] == (1, 4, 5, 16) and shapes[2] == (1, 4, 2, 16) and shapes[-1] == (2, 4, 1, 16)
 
 
 def test_rejected_rope_runs_the_module_rope():
