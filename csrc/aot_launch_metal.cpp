@@ -6,6 +6,7 @@
 
 #include <dispatch/dispatch.h>
 
+#include <array>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
@@ -86,6 +87,14 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   for (size_t i = 0; i < args_.scalars.size(); ++i) {
     if (bin_->specialize[i]) continue;
     enc.set_bytes(args_.scalars[i], slot++);  // 4 bytes: int32 or float32 bit pattern
+  }
+  // Then one int32[4] per strided buffer, in buffer order (the kernel's `constant int4&`): the
+  // element strides of the array as bound, known only now for a lazy input (docs/kernel-abi.md).
+  for (int b = 0; b < n_buffers; ++b) {
+    if (!bin_->strided[b]) continue;
+    const mx::array& a = output_of[b] >= 0 ? outputs[output_of[b]] : inputs[input_of[b]];
+    const std::array<int32_t, 4> strides = kernel_strides(a, args_.entry, b);
+    enc.set_bytes(strides.data(), 4, slot++);  // 16 bytes
   }
   if (args_.grid[0] == 0 || args_.grid[1] == 0 || args_.grid[2] == 0) return;
   enc.dispatch_threads(MTL::Size(args_.grid[0], args_.grid[1], args_.grid[2]),

@@ -6,7 +6,9 @@
 // one token) and own its feature pairs p = x, x + 32, ... < head_dim / 2 (rotary pairs, then
 // pass-through pairs, as rope_pool_fused). Pass 1 sums the squares, reduced across the 32 threads in
 // threadgroup memory; pass 2 normalises (fp32, one rounding to T, as the model's norm returns T),
-// rotates in fp32 and stores.
+// rotates in fp32 and stores. q, k, v, q_out and k_out are read and written through their element
+// strides (docs/kernel-abi.md, "Strided buffers"): ACT_LAYOUT 0 [n_tokens, H, D], 1 [B, H, L, D]
+// with token t = b * L + l.
 //
 // Checked on Linux by tests/metal_emu (docs/metal.md); compiled with -std=metal3.1 (bfloat).
 #include <metal_stdlib>
@@ -23,6 +25,18 @@ constant float POS_SCALE [[function_constant(6)]];
 constant float MSCALE [[function_constant(7)]];
 constant float EPS [[function_constant(8)]];
 constant float WEIGHT_OFFSET [[function_constant(9)]];
+constant int ACT_LAYOUT [[function_constant(10)]];
+
+// Element offset of (token t, head h, feature 0) of an activation with strides s (64-bit: an index
+// times a stride can pass 2^31). seq_len < 1 cannot come from the wrapper; it reads as 1 rather than
+// dividing by zero.
+inline long act_row(int4 s, int t, int h, int seq_len) {
+  if (ACT_LAYOUT != 0) {
+    const int L = max(seq_len, 1);
+    return long(t / L) * s.x + long(h) * s.y + long(t % L) * s.z;
+  }
+  return long(t) * s.y + long(h) * s.z;
+}
 
 template <typename T, typename P>
 [[kernel]] void qk_norm_rope_pool_fused(
@@ -41,6 +55,12 @@ template <typename T, typename P>
     constant int& n_tokens [[buffer(12)]],
     constant int& pool_size [[buffer(13)]],
     constant int& pool_rows [[buffer(14)]],
+    constant int& seq_len [[buffer(15)]],
+    constant int4& q_strides [[buffer(16)]],
+    constant int4& k_strides [[buffer(17)]],
+    constant int4& v_strides [[buffer(18)]],
+    constant int4& q_out_strides [[buffer(19)]],
+    constant int4& k_out_strides [[buffer(20)]],
     uint3 gid [[thread_position_in_grid]],
     uint3 lid [[thread_position_in_threadgroup]]) {
   threadgroup float partial[256];
@@ -53,9 +73,12 @@ template <typename T, typename P>
   const int hh = live ? int(row_id - long(t) * heads) : 0;
   const bool is_q = hh < N_Q_HEADS;
   const int h = is_q ? hh : hh - N_Q_HEADS;
-  const long row = (long(t) * (is_q ? N_Q_HEADS : N_KV_HEADS) + h) * HEAD_DIM;
-  const device T* in = (is_q ? q : k) + row;
-  device T* out = (is_q ? q_out : k_out) + row;
+  // Activations through their strides: feature d of this row at in[d * fi], out[d * fo], v[d * fv].
+  const int4 si = is_q ? q_strides : k_strides;
+  const int4 so = is_q ? q_out_strides : k_out_strides;
+  const device T* in = (is_q ? q : k) + act_row(si, t, h, seq_len);
+  device T* out = (is_q ? q_out : k_out) + act_row(so, t, h, seq_len);
+  const long fi = si.w, fo = so.w, fv = v_strides.w;
   const device T* w = is_q ? q_weight : k_weight;
   const int half_rot = ROTARY_DIMS / 2;
   const int pairs = live ? HEAD_DIM / 2 : 0;
@@ -65,8 +88,8 @@ template <typename T, typename P>
   for (int i = lane; i < pairs; i += 32) {
     const int a = i < half_rot ? (trad ? 2 * i : i) : ROTARY_DIMS + 2 * (i - half_rot);
     const int b = i < half_rot && !trad ? a + half_rot : a + 1;
-    const float x1 = float(in[a]);
-    const float x2 = float(in[b]);
+    const float x1 = float(in[a * fi]);
+    const float x2 = float(in[b * fi]);
     ss += x1 * x1 + x2 * x2;
   }
   const int base = int(lid.y) * 32;
@@ -98,8 +121,8 @@ template <typename T, typename P>
     const bool rotary = i < half_rot;
     const int a = rotary ? (trad ? 2 * i : i) : ROTARY_DIMS + 2 * (i - half_rot);
     const int b = rotary && !trad ? a + half_rot : a + 1;
-    float y1 = float(T(float(in[a]) * r * (float(w[a]) + WEIGHT_OFFSET)));
-    float y2 = float(T(float(in[b]) * r * (float(w[b]) + WEIGHT_OFFSET)));
+    float y1 = float(T(float(in[a * fi]) * r * (float(w[a]) + WEIGHT_OFFSET)));
+    float y2 = float(T(float(in[b * fi]) * r * (float(w[b]) + WEIGHT_OFFSET)));
     if (rotary) {
       // precise::, not fast:: (Metal's default for plain sin/cos): angles reach ~1e5 rad.
       float c;
@@ -111,13 +134,14 @@ template <typename T, typename P>
     }
     const T o1 = T(y1);
     const T o2 = T(y2);
-    out[a] = o1;
-    out[b] = o2;
+    out[a * fo] = o1;
+    out[b * fo] = o2;
     if (store) {
       k_pool[dst + a] = P(float(o1));
       k_pool[dst + b] = P(float(o2));
-      v_pool[dst + a] = P(float(v[row + a]));
-      v_pool[dst + b] = P(float(v[row + b]));
+      const device T* vr = v + act_row(v_strides, t, h, seq_len);
+      v_pool[dst + a] = P(float(vr[a * fv]));
+      v_pool[dst + b] = P(float(vr[b * fv]));
     }
   }
 }
@@ -131,7 +155,10 @@ template <typename T, typename P>
       const device int* slots [[buffer(8)]], const device float* inv_freq [[buffer(9)]],          \
       const device T* q_weight [[buffer(10)]], const device T* k_weight [[buffer(11)]],           \
       constant int& n_tokens [[buffer(12)]], constant int& pool_size [[buffer(13)]],              \
-      constant int& pool_rows [[buffer(14)]], uint3 gid [[thread_position_in_grid]],              \
+      constant int& pool_rows [[buffer(14)]], constant int& seq_len [[buffer(15)]],               \
+      constant int4& q_strides [[buffer(16)]], constant int4& k_strides [[buffer(17)]],           \
+      constant int4& v_strides [[buffer(18)]], constant int4& q_out_strides [[buffer(19)]],       \
+      constant int4& k_out_strides [[buffer(20)]], uint3 gid [[thread_position_in_grid]],         \
       uint3 lid [[thread_position_in_threadgroup]]);
 
 INSTANTIATE("qk_norm_rope_pool_fused_f16", half, half)

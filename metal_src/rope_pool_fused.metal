@@ -8,7 +8,11 @@
 // valid, k_pool; v features 2p, 2p+1 into v_pool). Pairs p < rotary_dims/2 rotate; cos/sin are
 // computed once and reused for every head of the group. The other pairs copy two pass-through
 // features. Consecutive threads along x touch consecutive features of one row, so a SIMD-group's
-// accesses coalesce; adjacent pairs (traditional, pass-through, v) move as one 2-element vector.
+// accesses coalesce; adjacent pairs (traditional, pass-through, v) are stored into the pools, and
+// into q_out/k_out, as one 2-element vector.
+//
+// q, k, v, q_out and k_out are read and written through their element strides (docs/kernel-abi.md,
+// "Strided buffers"): ACT_LAYOUT 0 [n_tokens, H, D], 1 [B, H, L, D] with token t = b * L + l.
 //
 // Checked on Linux by tests/metal_emu (docs/metal.md); compiled with -std=metal3.1 (bfloat).
 #include <metal_stdlib>
@@ -29,17 +33,29 @@ constant float MSCALE [[function_constant(7)]];
 constant int POOL_LAYOUT [[function_constant(8)]];
 // VEC_WIDTH shapes CUDA launches only (its vector width); declared so the indices match the ABI.
 constant int VEC_WIDTH [[function_constant(9)]];
+constant int ACT_LAYOUT [[function_constant(10)]];
+
+// Element offset of (token t, head h, feature 0) of an activation with strides s (64-bit: an index
+// times a stride can pass 2^31). seq_len < 1 cannot come from the wrapper; it reads as 1 rather than
+// dividing by zero.
+inline long act_row(int4 s, int t, int h, int seq_len) {
+  if (ACT_LAYOUT != 0) {
+    const int L = max(seq_len, 1);
+    return long(t / L) * s.x + long(h) * s.y + long(t % L) * s.z;
+  }
+  return long(t) * s.y + long(h) * s.z;
+}
+
+// Elements from one head to the next.
+inline long act_head(int4 s) { return ACT_LAYOUT != 0 ? long(s.y) : long(s.z); }
+
+// A fresh output starts at its allocation, so unit feature stride and even other strides make its
+// adjacent pairs aligned 2-vectors. An input may be a view starting at any element, and the kernel
+// is not told its alignment: inputs are read element by element.
+inline bool pairs_aligned(int4 s) { return s.w == 1 && ((s.x | s.y | s.z) & 1) == 0; }
 
 // Features a and b of a row. Adjacent pairs start on an even feature of a row of even length, so
 // the 2-element vector access is aligned (the emulator's UBSan checks it).
-template <typename T>
-inline vec<T, 2> load_pair(const device T* row, int a, int b, bool adjacent) {
-  if (adjacent) {
-    return *reinterpret_cast<const device vec<T, 2>*>(row + a);
-  }
-  return vec<T, 2>(row[a], row[b]);
-}
-
 template <typename T>
 inline void store_pair(device T* row, int a, int b, bool adjacent, vec<T, 2> x) {
   if (adjacent) {
@@ -71,6 +87,12 @@ template <typename T, typename P>
     constant int& n_tokens [[buffer(10)]],
     constant int& pool_size [[buffer(11)]],
     constant int& pool_rows [[buffer(12)]],
+    constant int& seq_len [[buffer(13)]],
+    constant int4& q_strides [[buffer(14)]],
+    constant int4& k_strides [[buffer(15)]],
+    constant int4& v_strides [[buffer(16)]],
+    constant int4& q_out_strides [[buffer(17)]],
+    constant int4& k_out_strides [[buffer(18)]],
     uint3 gid [[thread_position_in_grid]]) {
   const int p = int(gid.x);
   const int t = int(gid.y);
@@ -106,29 +128,43 @@ template <typename T, typename P>
   const bool store = slot >= 0 && slot < pool_size && (!head_major || pool_rows > 0);
   // 64-bit element offsets: a pool of millions of slots can exceed 2^31 elements. Head-major pools
   // put the heads of one slot pool_rows rows apart.
-  const long row = (long(t) * n_heads + h0) * HEAD_DIM;
   const long head_stride = head_major ? long(pool_rows) * HEAD_DIM : long(HEAD_DIM);
   long pool_row = 0;
   if (store) {
     pool_row = head_major ? ((long(slot / pool_rows) * N_KV_HEADS + h0) * pool_rows + slot % pool_rows) * HEAD_DIM
                           : (long(slot) * N_KV_HEADS + h0) * HEAD_DIM;
   }
-  const device T* src = (is_q ? q : k) + row;
-  device T* dst = (is_q ? q_out : k_out) + row;
+  // Activation offsets through the strides (the feature stride is si.w / so.w; see act_row).
+  const int4 si = is_q ? q_strides : k_strides;
+  const int4 so = is_q ? q_out_strides : k_out_strides;
+  const device T* src = is_q ? q : k;
+  device T* dst = is_q ? q_out : k_out;
+  const long src_row = act_row(si, t, h0, seq_len), dst_row = act_row(so, t, h0, seq_len);
+  const long src_a = long(a) * si.w, src_b = long(b) * si.w;
+  const long dst_a = long(a) * so.w, dst_b = long(b) * so.w;
+  const bool dst_vector = adjacent && pairs_aligned(so);
   for (int i = 0; i < nh; ++i) {
-    const long off = long(i) * HEAD_DIM;
-    vec<T, 2> x = load_pair(src + off, a, b, adjacent);
+    const long row_in = src_row + long(i) * act_head(si);
+    vec<T, 2> x(src[row_in + src_a], src[row_in + src_b]);
     if (rotary) {
       const float x1 = float(x.x) * MSCALE;
       const float x2 = float(x.y) * MSCALE;
       x = vec<T, 2>(T(x1 * c - x2 * s), T(x1 * s + x2 * c));  // fp32 math, one rounding to T
     }
-    store_pair(dst + off, a, b, adjacent, x);
+    const long row_out = dst_row + long(i) * act_head(so);
+    if (dst_vector) {
+      store_pair(dst + row_out, a, b, true, x);
+    } else {
+      dst[row_out + dst_a] = x.x;
+      dst[row_out + dst_b] = x.y;
+    }
     if (store) {
       const long pool_off = pool_row + long(i) * head_stride;
       store_pair(k_pool + pool_off, a, b, adjacent, to_pool<P, T>(x));
-      // v is copied, not rotated: features 2p, 2p+1 (one vector) cover the row across the threads.
-      const vec<T, 2> vp = load_pair(v + row + off, 2 * p, 2 * p + 1, true);
+      // v is copied, not rotated: features 2p, 2p+1 (one vector in the pool) cover the row across
+      // the threads.
+      const long vi = act_row(v_strides, t, h0 + i, seq_len);
+      const vec<T, 2> vp(v[vi + long(2 * p) * v_strides.w], v[vi + long(2 * p + 1) * v_strides.w]);
       store_pair(v_pool + pool_off, 2 * p, 2 * p + 1, true, to_pool<P, T>(vp));
     }
   }
@@ -143,7 +179,10 @@ template <typename T, typename P>
       device P* v_pool [[buffer(6)]], const device int* positions [[buffer(7)]],         \
       const device int* slots [[buffer(8)]], const device float* inv_freq [[buffer(9)]], \
       constant int& n_tokens [[buffer(10)]], constant int& pool_size [[buffer(11)]],     \
-      constant int& pool_rows [[buffer(12)]], uint3 gid [[thread_position_in_grid]]);
+      constant int& pool_rows [[buffer(12)]], constant int& seq_len [[buffer(13)]],       \
+      constant int4& q_strides [[buffer(14)]], constant int4& k_strides [[buffer(15)]],   \
+      constant int4& v_strides [[buffer(16)]], constant int4& q_out_strides [[buffer(17)]], \
+      constant int4& k_out_strides [[buffer(18)]], uint3 gid [[thread_position_in_grid]]);
 
 INSTANTIATE("rope_pool_fused_f16", half, half)
 INSTANTIATE("rope_pool_fused_bf16", bfloat, bfloat)

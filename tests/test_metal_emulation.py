@@ -36,6 +36,7 @@ SPEC = load_manifest().kernel("rope_pool_fused")
 SOURCE = PROJECT_ROOT / "metal_src" / "rope_pool_fused.metal"
 SELFTEST = Path(__file__).resolve().parent / "metal_emu" / "testdata" / "harness_selftest.metal"
 INT32_MAX, INT32_MIN = 2**31 - 1, -2**31
+TOKEN_MAJOR = dict(seq_len=1, act_layout=0)   # the activation scalars of [T, H, D] q/k/v
 
 
 @pytest.fixture(scope="session")
@@ -212,7 +213,7 @@ def test_heads_per_thread_not_dividing_head_counts(library, hpt):
     grid, group = metal_geometry(T, Hq, Hkv, D, rope.rotary_dims, hpt, 2)
     scalars = dict(n_tokens=T, pool_size=S, pool_rows=S, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D,
                    rotary_dims=rope.rotary_dims, traditional=int(rope.traditional), heads_per_thread=hpt,
-                   pos_scale=rope.pos_scale, mscale=rope.mscale, pool_layout=0, vec_width=1)
+                   pos_scale=rope.pos_scale, mscale=rope.mscale, pool_layout=0, vec_width=1, **TOKEN_MAJOR)
     plan = launcher.plan("float16", scalars, grid=grid, threadgroup=group)
     q, k, v, pos, slots, kp, vp = inputs
     out = launcher.run(plan, [q, k, v, kp, vp, pos, slots, mx.array(rope.inv_freq())])
@@ -262,7 +263,8 @@ def test_out_of_range_slots_never_write(library, dtype, hpt, batch):
     plan = launcher.plan(dtype, dict(n_tokens=T, pool_size=size, pool_rows=S, n_q_heads=Hq, n_kv_heads=Hkv,
                                      head_dim=D, rotary_dims=rope.rotary_dims, traditional=int(rope.traditional),
                                      heads_per_thread=hpt, pos_scale=1.0, mscale=1.0,
-                                     pool_layout=int(batch is not None), vec_width=1), grid=grid, threadgroup=group)
+                                     pool_layout=int(batch is not None), vec_width=1, **TOKEN_MAJOR), grid=grid,
+                         threadgroup=group)
     q, k, v, pos, sl, kp, vp = inputs
     out = launcher.run(plan, [q, k, v, kp, vp, pos, sl, mx.array(rope.inv_freq())])
     check_against_oracle(out, inputs, rope, dtype)
@@ -323,7 +325,7 @@ def run_direct(lib, dtype, rope, T, Hq, Hkv, D, S, slots, hpt=1):
     plan = launcher.plan(dtype, dict(n_tokens=T, pool_size=S, pool_rows=S, n_q_heads=Hq, n_kv_heads=Hkv,
                                      head_dim=D, rotary_dims=rope.rotary_dims, traditional=int(rope.traditional),
                                      heads_per_thread=hpt, pos_scale=1.0, mscale=1.0, pool_layout=0,
-                                     vec_width=1),
+                                     vec_width=1, **TOKEN_MAJOR),
                          grid=grid, threadgroup=group)
     q, k, v, pos, sl, kp, vp = inputs
     return launcher.run(plan, [q, k, v, kp, vp, pos, sl, mx.array(rope.inv_freq())])
@@ -351,7 +353,8 @@ def test_head_major_guard_against_zero_rows(emu_cache, library, mutant):
     grid, group = metal_geometry(2, 2, 2, 64, 64, 1, 4)
     plan = launcher.plan("float32", dict(n_tokens=2, pool_size=4, pool_rows=0, n_q_heads=2, n_kv_heads=2, head_dim=64,
                                          rotary_dims=64, traditional=0, heads_per_thread=1, pos_scale=1.0,
-                                         mscale=1.0, pool_layout=1, vec_width=1), grid=grid, threadgroup=group)
+                                         mscale=1.0, pool_layout=1, vec_width=1, **TOKEN_MAJOR),
+                         grid=grid, threadgroup=group)
     q, k, v, pos, sl, kp, vp = inputs
     run = lambda: launcher.run(plan, [q, k, v, kp, vp, pos, sl, mx.array(rope.inv_freq())])
     if not mutant:
@@ -408,11 +411,12 @@ def test_unsupported_declarations_fail_loudly(emu_cache, old, new, feature):
 def test_runner_refuses_bad_launches(library):
     """Function constants missing or mistyped, unbound buffers, unknown entries, oversized groups:
     each an error naming it, as Metal would refuse the pipeline or the dispatch."""
-    bufs = {i: np.zeros(4, np.float32) for i in range(13)}
+    bufs = {i: np.zeros(4, np.float32) for i in range(19)}   # 16 bytes: an int4 for the strides buffers
     consts = {i: Constant.of("int32", 1) for i in range(6)} | {6: Constant.of("float32", 1.0),
                                                                  7: Constant.of("float32", 1.0),
                                                                  8: Constant.of("int32", 0),
-                                                                 9: Constant.of("int32", 1)}
+                                                                 9: Constant.of("int32", 1),
+                                                                 10: Constant.of("int32", 0)}
     ok = dict(grid=(1, 1, 1), group=(1, 1, 1))
     with pytest.raises(LaunchError, match=r"function constant 7 \(float MSCALE\) has no value"):
         library.run("rope_pool_fused_f32", bufs, {i: c for i, c in consts.items() if i != 7}, **ok)

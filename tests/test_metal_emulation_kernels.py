@@ -1,21 +1,27 @@
 """The Metal sources of kv_pool_store and qk_norm_rope_pool_fused on the CPU through tests/metal_emu/
 (sanitized runner, exact-size buffers, shuffled thread order), driven through their real wrappers on
 an emulated 'metal' backend and compared with the reference path; out-of-range slots under the
-sanitizers, and a mutant per kernel that proves the bounds tests can fail. (rope_pool_fused's own
-emulation tests: tests/test_metal_emulation.py.)"""
+sanitizers, and a mutant per kernel that proves the bounds tests can fail. Strided activations for
+all three kernels: [B, H, L, D] views (transposed, sliced, inner-strided, reversed) bound as they lie,
+against the same kernel on contiguous token-major rows (bit for bit) and the reference path.
+(rope_pool_fused's other emulation tests: tests/test_metal_emulation.py.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
+from registry.kernels._base import to_rows
 from registry.kernels.kv_pool_store import KvPoolStoreKernel
+from registry.kernels.rope_pool_fused import RopePoolFusedKernel
 from registry.manifest import load_manifest
 from registry.paths import PROJECT_ROOT
 from tests.metal_emu.emulator import EmulatedMetal, SanitizerError, compile_kernel, compile_source
 from tests.test_metal_emulation import mutated
-from tests.rope_cases import MX_DTYPES
+from tests.rope_cases import MX_DTYPES, TOL, to_np
 from tests.test_kv_pool_store import LAYOUTS, case, check
 
 MANIFEST = load_manifest()
@@ -156,3 +162,101 @@ def test_head_major_guard_against_zero_rows(emu_cache, kv_lib, qkn_lib, name, gu
         return
     with pytest.raises(SanitizerError, match="division by zero"):
         run()
+
+
+# ----------------------------------------------------------------------------- strided activations
+
+ROPE_SOURCE = PROJECT_ROOT / "metal_src" / "rope_pool_fused.metal"
+SOURCES = {"rope_pool_fused": ROPE_SOURCE, "kv_pool_store": KV_SOURCE, "qk_norm_rope_pool_fused": QKN_SOURCE}
+
+
+@pytest.fixture(scope="module")
+def rope_lib(emu_cache):
+    return compile_kernel(MANIFEST.kernel("rope_pool_fused"), emu_cache)
+
+
+def strided_kernel(name, lib, seed=0):
+    from registry.kernels.qk_norm_rope_pool_fused import QkNormRopePoolFusedKernel
+    from tests.test_strided_activations import NORM, ROPE
+
+    cls, config = {"rope_pool_fused": (RopePoolFusedKernel, ROPE), "kv_pool_store": (KvPoolStoreKernel, None),
+                   "qk_norm_rope_pool_fused": (QkNormRopePoolFusedKernel, (ROPE, NORM))}[name]
+    return emulated(cls, lib, name, config, seed=seed)
+
+
+def reference_call(name, kernel, acts, pos, slots, pools, weights):
+    if name == "kv_pool_store":
+        return kernel.reference(acts[1], acts[2], slots, *pools)
+    return kernel.reference(*acts, pos, slots, *pools, *(weights if name == "qk_norm_rope_pool_fused" else ()))
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+@pytest.mark.parametrize("kind, dtype, pool_dtype, head_major, seq_len", [
+    ("transposed", "float16", "float16", False, 3),     # the attention's own q/k/v
+    ("transposed", "bfloat16", "bfloat16", True, 1),    # a decode step: [B, H, 1, D]
+    ("sliced", "bfloat16", "float32", True, 3),         # an odd element offset: every input read element-wise
+    ("features-strided", "float32", "float32", False, 3),
+    ("reversed", "float16", "bfloat16", True, 3),       # negative strides: the first element is not the lowest
+    ("contiguous", "float32", "float16", False, 3),
+])
+def test_strided_views_match_rows_and_the_reference(rope_lib, kv_lib, qkn_lib, name, kind, dtype, pool_dtype,
+                                                    head_major, seq_len):
+    """[B, H, L, D] views reach the emulated kernel as they lie (the emulator binds only the storage
+    their elements span, ASan-bounded, at the first element's offset): q_out/k_out come back in the
+    views' shape with the bits of the same kernel on contiguous token-major rows, pools alike, and
+    within tolerance of the reference path."""
+    from tests.test_strided_activations import bits, call, case, views
+
+    lib = {"rope_pool_fused": rope_lib, "kv_pool_store": kv_lib, "qk_norm_rope_pool_fused": qkn_lib}[name]
+    kernel = strided_kernel(name, lib, seed=seq_len)
+    qkv, pos, slots, pools, weights = case(name, dtype, pool_dtype, head_major, seq_len, seed=len(kind))
+    acts = [views(x, x.shape[2], kind) for x in qkv]
+    rows = [mx.contiguous(to_rows(a)) for a in acts]
+    got = call(name, kernel, acts, pos, slots, pools, weights)
+    want = call(name, kernel, rows, pos, slots, pools, weights)
+    ref = reference_call(name, kernel, acts, pos, slots, pools, weights)
+    outs = 0 if name == "kv_pool_store" else 2
+    tol = max(TOL[dtype], TOL[pool_dtype])
+    for j, (g, w, r) in enumerate(zip(got, want, ref)):
+        if j < outs:
+            assert g.shape == acts[j].shape and r.shape == acts[j].shape, (name, j, g.shape)
+            g, r = to_rows(g), to_rows(r)
+        np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"{name} {kind}: output {j} differs from rows")
+        np.testing.assert_allclose(to_np(g), to_np(r), atol=tol, rtol=tol, err_msg=f"{name} {kind}: output {j}")
+
+
+@pytest.mark.parametrize("name, old, new", [
+    # act_layout 1 with the head and sequence strides swapped: wrong elements (or outside the view)
+    ("rope_pool_fused", "long(h) * s.y + long(t % L) * s.z", "long(h) * s.z + long(t % L) * s.y"),
+    ("qk_norm_rope_pool_fused", "long(h) * s.y + long(t % L) * s.z", "long(h) * s.z + long(t % L) * s.y"),
+    # the feature stride taken as 1
+    ("kv_pool_store", "long(t % L) * s.z + long(d) * s.w", "long(t % L) * s.z + long(d)"),
+])
+def test_strided_parity_catches_a_misread_stride(emu_cache, name, old, new):
+    """The strided parity test can fail: a kernel that misapplies one stride is caught, by a value
+    that differs or by ASan reading outside the view's elements."""
+    from tests.test_strided_activations import call, case, views
+
+    source = SOURCES[name]
+    lib = compile_source(mutated(emu_cache, old, new, source=source), emu_cache, include_dirs=[source.parent])
+    qkv, pos, slots, pools, weights = case(name, "float32", "float32", False, 3, seed=1)
+    kernel = strided_kernel(name, lib)
+    acts = [views(x, x.shape[2], "features-strided") for x in qkv]
+    with pytest.raises((AssertionError, SanitizerError)):
+        got = call(name, kernel, acts, pos, slots, pools, weights)
+        want = call(name, kernel, [mx.contiguous(to_rows(a)) for a in acts], pos, slots, pools, weights)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.array(to_rows(g) if g.ndim == 4 else g), np.array(w))
+
+
+def test_a_read_past_a_view_is_caught(emu_cache):
+    """The emulator binds a strided input as the span of its own elements: one element past the last
+    feature of a row lands outside it, and ASan names the buffer."""
+    from tests.test_strided_activations import call, case, views
+
+    lib = compile_source(mutated(emu_cache, "long(t % L) * s.z + long(d) * s.w", "long(t % L) * s.z + long(d + 1) * s.w",
+                                 source=KV_SOURCE), emu_cache, include_dirs=[KV_SOURCE.parent])
+    qkv, pos, slots, pools, weights = case("kv_pool_store", "float32", "float32", False, 3, seed=2)
+    acts = [views(x, x.shape[2], "transposed") for x in qkv]
+    with pytest.raises(SanitizerError, match=r"READ of 4 bytes at byte \d+ of buffer\([01]\) [kv] "):
+        call("kv_pool_store", strided_kernel("kv_pool_store", lib), acts, pos, slots, pools, weights)

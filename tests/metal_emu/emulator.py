@@ -431,15 +431,17 @@ class KernelLibrary:
 
     def run(self, entry: str, buffers: Mapping[int, np.ndarray], constants: Mapping[int, Constant],
             grid: Sequence[int], group: Sequence[int], *, order: str = "forward", seed: int = 0,
-            timeout: float = 600) -> dict[int, np.ndarray]:
+            offsets: Mapping[int, int] | None = None, timeout: float = 600) -> dict[int, np.ndarray]:
         """One dispatch_threads(grid, group) of `entry`; returns every buffer's contents afterwards
-        (new arrays, same dtypes and shapes). Raises LaunchError, SanitizerError or EmulationError."""
+        (new arrays, same dtypes and shapes). `offsets`: buffer index -> the byte of that buffer the
+        kernel's pointer is at (setBuffer:offset:; a strided view's first element), 0 by default.
+        Raises LaunchError, SanitizerError or EmulationError."""
         if order not in ORDERS:
             raise ValueError(f"order={order!r}: expected one of {sorted(ORDERS)}")
         grid, group = tuple(int(g) for g in grid), tuple(int(g) for g in group)
         if len(grid) != 3 or len(group) != 3:
             raise ValueError(f"grid {grid} and threadgroup {group} must have 3 axes")
-        req = bytearray(b"METALEMU" + struct.pack("<I", 1))
+        req = bytearray(b"METALEMU" + struct.pack("<I", 2))
         name = entry.encode()
         req += struct.pack("<I", len(name)) + name + struct.pack("<3i3iIQ", *grid, *group, ORDERS[order], seed)
         req += struct.pack("<I", len(constants))
@@ -451,13 +453,18 @@ class KernelLibrary:
             if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
                 raise ValueError(f"buffer({index}) must be a C-contiguous numpy array, got {type(a).__name__}")
             arrays[index] = a
+        offsets = dict(offsets or {})
+        for index, off in offsets.items():
+            if index not in arrays or not 0 <= off <= arrays[index].nbytes:
+                raise ValueError(f"offset {off} for buffer({index}): expected a bound buffer and 0 <= offset <= "
+                                 f"its size")
         req += struct.pack("<I", len(arrays))
         with tempfile.TemporaryDirectory(prefix="metal_emu_") as tmp:
             request, response = Path(tmp) / "request", Path(tmp) / "response"
             with open(request, "wb") as f:
                 f.write(req)
                 for index, a in arrays.items():
-                    f.write(struct.pack("<iQ", index, a.nbytes))
+                    f.write(struct.pack("<iQQ", index, a.nbytes, offsets.get(index, 0)))
                     f.write(a.tobytes())
             p = subprocess.run([str(self.path), str(request), str(response)], capture_output=True, text=True,
                                timeout=timeout, env=_sanitizer_env())
@@ -572,7 +579,8 @@ def compile_kernel(spec: Any, cache_dir: Path, *, source: Path | None = None) ->
 
 def check_abi(library: KernelLibrary, spec: Any) -> None:
     """Raise AbiMismatch unless every entry of `spec` exists in the source with kernels.yaml's buffer
-    indices, element types, constness, scalar buffers and function constants (docs/kernel-abi.md)."""
+    indices, element types, constness, scalar buffers, strides buffers and function constants
+    (docs/kernel-abi.md)."""
     sig = spec.signature
     n_buffers = len(sig.buffers)
     by_name = {b.name: b for b in sig.buffers}
@@ -629,6 +637,16 @@ def check_abi(library: KernelLibrary, spec: Any) -> None:
                 raise AbiMismatch(f"{where}: {entry_name}: scalar {s.name} belongs at [[buffer({j})]] as "
                                   f"`constant {METAL_ELEM[s.type]}&`, found {got}")
             j += 1
+        for b in sig.buffers:
+            if not b.strided:
+                continue
+            p = bufs.pop(j, None)
+            name = f"{b.name}_strides"
+            if p is None or not p["ref"] or not p["const"] or p["elem"] != "int4" or p["name"] != name:
+                got = "nothing" if p is None else f"{p['name']} ({p['elem']}{' &' if p['ref'] else ' *'})"
+                raise AbiMismatch(f"{where}: {entry_name}: the strides of strided buffer {b.name} belong at "
+                                  f"[[buffer({j})]] as `constant int4& {name}`, found {got}")
+            j += 1
         if bufs:
             raise AbiMismatch(f"{where}: {entry_name}: buffers {sorted(bufs)} are not in kernels.yaml's signature")
 
@@ -638,9 +656,13 @@ def check_abi(library: KernelLibrary, spec: Any) -> None:
 class EmulatedMetal:
     """registry._ext for the 'metal' backend, run by the emulation: `launcher()` returns a real
     registry.native.Launcher whose plans the kernel's wrapper builds exactly as on a Mac; `launch`
-    binds them as csrc/aot_launch_metal.cpp does (each buffer checked against the plan's dtype for it) (buffers i at [[buffer(i)]], non-specialised scalars
-    as 4-byte buffers after them, specialised ones as function constants 0.. with their types, no
-    dispatch for an empty grid). Fresh outputs start as 0xFF bytes (NaN) so unwritten elements show."""
+    binds them as csrc/aot_launch_metal.cpp does (each buffer checked against the plan's dtype for
+    it): buffers i at [[buffer(i)]], non-specialised scalars as 4-byte buffers after them, then one
+    int32[4] per strided buffer (its element strides, right-aligned), specialised scalars as function
+    constants 0.. with their types, no dispatch for an empty grid. A strided input is bound as it
+    lies, not copied: the emulation gets the storage its elements span and the kernel a pointer at
+    its first element, so a stride the kernel misapplies reads outside that span (ASan) or the wrong
+    element. Fresh outputs start as 0xFF bytes (NaN) so unwritten elements show."""
 
     def __init__(self, library: KernelLibrary, spec: Any, *, order: str = "forward", seed: int = 0):
         check_abi(library, spec)
@@ -652,12 +674,15 @@ class EmulatedMetal:
         return Launcher(self.spec, "metal", str(self.library.path), self.spec.entries, self)
 
     # -- the registry._ext API that registry.native.Launcher uses
-    def KernelBinary(self, *, key, path, target, roles, like, scalar_types, specialize, dtypes=None):  # noqa: N802
-        dtypes = list(dtypes) if dtypes is not None else [""] * len(roles)
-        if len(roles) != len(like) or len(roles) != len(dtypes) or len(scalar_types) != len(specialize):
-            raise ValueError("roles, like and dtypes, or scalar_types and specialize, differ in length")
-        return SimpleNamespace(key=key, path=path, target=target, roles=list(roles), like=list(like), dtypes=dtypes,
-                               scalar_types=list(scalar_types), specialize=list(specialize))
+    def KernelBinary(self, *, key, path, target, roles, like, scalar_types, specialize, strided):  # noqa: N802
+        if len(roles) != len(like) or len(roles) != len(strided) or len(scalar_types) != len(specialize):
+            raise ValueError("roles, like and strided, or scalar_types and specialize, differ in length")
+        for i, (role, st) in enumerate(zip(roles, strided)):
+            if st and role == 2:   # as the extension's binding: an aliased pool is row-contiguous
+                raise ValueError(f"in-place buffer {i} cannot be strided")
+        return SimpleNamespace(key=key, path=path, target=target, roles=list(roles), like=list(like),
+                               strided=[int(x) for x in strided], scalar_types=list(scalar_types),
+                               specialize=list(specialize))
 
     def LaunchArgs(self, entry, scalars, grid, group, dtype="", buffer_dtypes=()):  # noqa: N802
         grid, group = tuple(grid), tuple(group)
@@ -677,6 +702,9 @@ class EmulatedMetal:
             raise ValueError(f"{plan.entry}: expected {len(roles)} buffer dtypes, got {len(plan.buffer_dtypes)}")
         it = iter(inputs)
         host: dict[int, np.ndarray] = {}
+        offsets: dict[int, int] = {}
+        strides: dict[int, tuple[int, ...]] = {}
+        shapes: dict[int, tuple[int, ...]] = {}
         mx_dtypes: dict[int, Any] = {}
         for b, role in enumerate(roles):
             if role in (0, 2):
@@ -686,12 +714,18 @@ class EmulatedMetal:
                 got = str(a.dtype).removeprefix("mlx.core.")
                 if got != want:
                     raise ValueError(f"[mlx_aot] {plan.entry}: buffer {b} has dtype {got}, the entry expects {want}")
-                host[b], mx_dtypes[b] = to_numpy(a), a.dtype
+                if binary.strided[b]:
+                    host[b], offsets[b], strides[b] = strided_storage(a)
+                else:
+                    host[b] = to_numpy(a)
+                shapes[b], mx_dtypes[b] = tuple(a.shape), a.dtype
         for b, role in enumerate(roles):
-            if role == 1:   # fresh output: uninitialised on a GPU
-                like = host[binary.like[b]]
-                host[b] = np.frombuffer(b"\xff" * like.nbytes, dtype=like.dtype).reshape(like.shape).copy()
-                mx_dtypes[b] = mx_dtypes[binary.like[b]]
+            if role == 1:   # fresh output, row-contiguous: uninitialised on a GPU
+                like = binary.like[b]
+                shapes[b], mx_dtypes[b] = shapes[like], mx_dtypes[like]
+                n = int(np.prod(shapes[b], dtype=np.int64))
+                host[b] = np.frombuffer(b"\xff" * (n * host[like].itemsize), dtype=host[like].dtype).copy()
+                strides[b] = row_contiguous_strides(shapes[b])
         constants, slot = {}, len(roles)
         for i, bits in enumerate(plan.scalars):
             if binary.specialize[i]:
@@ -699,11 +733,57 @@ class EmulatedMetal:
             else:
                 host[slot] = np.array([bits], dtype=np.uint32)
                 slot += 1
+        for b in range(len(roles)):
+            if binary.strided[b]:
+                host[slot] = kernel_strides(strides[b], plan.entry, b)
+                slot += 1
         if all(g > 0 for g in plan.grid):
             host = self.library.run(plan.entry, host, constants, plan.grid, plan.group, order=self.order,
-                                    seed=self.seed + self.launches)
+                                    seed=self.seed + self.launches, offsets=offsets)
         self.launches += 1
-        return [from_numpy(host[b], mx_dtypes[b]) for b, role in enumerate(roles) if role in (1, 2)]
+        return [from_numpy(host[b].reshape(shapes[b]), mx_dtypes[b]) for b, role in enumerate(roles)
+                if role in (1, 2)]
+
+
+def row_contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """A fresh MLX array's element strides (as mlx::core computes them, zero-size dimensions too)."""
+    out, n = [], 1
+    for dim in reversed(shape):
+        out.append(n)
+        n *= int(dim)
+    return tuple(reversed(out))
+
+
+def kernel_strides(strides: Sequence[int], entry: str, buffer: int) -> np.ndarray:
+    """The int32[4] the launcher passes for a strided buffer: its element strides right-aligned
+    (docs/kernel-abi.md, "Strided buffers"); an error past int32 or past 4 dimensions."""
+    if len(strides) > 4:
+        raise ValueError(f"[mlx_aot] {entry}: strided buffer {buffer} has {len(strides)} dimensions; at most 4")
+    for s in strides:
+        if not -2**31 <= s < 2**31:
+            raise ValueError(f"[mlx_aot] {entry}: strided buffer {buffer} has a stride of {s} elements, beyond "
+                             f"int32; pass a smaller or contiguous array")
+    return np.array([0] * (4 - len(strides)) + list(strides), dtype=np.int32)
+
+
+def strided_storage(a) -> tuple[np.ndarray, int, tuple[int, ...]]:
+    """(the bytes an mx.array view's elements span, as a 1-D array of its element type; the byte
+    offset of its first element in them; its element strides): what the launcher binds for a
+    strided buffer, with nothing outside the view's own elements, so ASan reports any read past them."""
+    import ctypes
+    import mlx.core as mx
+    view = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)   # MLX's buffer: its strides, no copy
+    item = view.itemsize
+    if any(s % item for s in view.strides):
+        raise EmulationError(f"a view with byte strides {view.strides} that are not whole elements")
+    strides = tuple(s // item for s in view.strides)
+    if view.size == 0:
+        return np.zeros(0, view.dtype), 0, strides
+    lo = sum(min(0, (n - 1) * s) for n, s in zip(view.shape, strides))
+    hi = sum(max(0, (n - 1) * s) for n, s in zip(view.shape, strides))
+    start = view.__array_interface__["data"][0] + lo * item
+    span = np.frombuffer((ctypes.c_char * ((hi - lo + 1) * item)).from_address(start), dtype=view.dtype).copy()
+    return span, -lo * item, strides
 
 
 def to_numpy(a) -> np.ndarray:

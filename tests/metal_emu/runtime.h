@@ -4,7 +4,9 @@
 //   runner --describe            JSON: entries, their parameters (with C++-resolved element types)
 //                                and the function constants the source declares
 //   runner REQUEST RESPONSE      one launch; buffers are allocated with their exact sizes, so
-//                                AddressSanitizer reports any access past one of them
+//                                AddressSanitizer reports any access past one of them; a buffer
+//                                bound at a byte offset (a strided view's first element) gives the
+//                                kernel that address, as setBuffer:offset: does
 //
 // Threads run threadgroup by threadgroup (edge groups clipped to the grid, as dispatch_threads does),
 // in forward, reverse or seeded-shuffled order; kernels that call threadgroup_barrier run the threads
@@ -71,6 +73,7 @@ template <> inline const char* elem_name<uchar>() { return "uchar"; }
 template <> inline const char* elem_name<bool>() { return "bool"; }
 template <> inline const char* elem_name<long>() { return "long"; }
 template <> inline const char* elem_name<unsigned long>() { return "ulong"; }
+template <> inline const char* elem_name<int4>() { return "int4"; }  // a strided buffer's strides
 
 inline uint3 id_of(int kind, const ThreadIds& id) {
   switch (kind) {
@@ -318,7 +321,12 @@ struct Launch {
     uint32_t bits;
   };
   std::vector<Constant> constants;
-  std::map<int, std::pair<char*, uint64_t>> buffers;  // index -> (exactly sized allocation, bytes)
+  struct Bound {
+    char* mem;        // the exactly sized allocation
+    uint64_t bytes;
+    uint64_t offset;  // the kernel's pointer: mem + offset
+  };
+  std::map<int, Bound> buffers;
 };
 
 struct Reader {
@@ -347,7 +355,7 @@ inline Launch read_request(const char* path) {
   Reader r{f, path};
   char magic[8];
   r.bytes(magic, 8);
-  if (std::memcmp(magic, "METALEMU", 8) != 0 || r.get<uint32_t>() != 1) fail("bad request header");
+  if (std::memcmp(magic, "METALEMU", 8) != 0 || r.get<uint32_t>() != 2) fail("bad request header");
   Launch L;
   L.entry = r.str();
   for (int i = 0; i < 3; ++i) L.grid[i] = r.get<int32_t>();
@@ -366,11 +374,14 @@ inline Launch read_request(const char* path) {
   for (uint32_t i = 0; i < nb; ++i) {
     const int index = r.get<int32_t>();
     const uint64_t n = r.get<uint64_t>();
+    const uint64_t offset = r.get<uint64_t>();
+    if (offset > n) fail("buffer(" + std::to_string(index) + ") bound at byte " + std::to_string(offset) + " of " +
+                         std::to_string(n));
     char* mem = static_cast<char*>(std::malloc(n));  // exactly n bytes: ASan's redzone starts at mem + n
     if (mem == nullptr && n) fail("out of memory for buffer(" + std::to_string(index) + ")");
     r.bytes(mem, n);
     if (L.buffers.count(index)) fail("buffer(" + std::to_string(index) + ") bound twice");
-    L.buffers[index] = {mem, n};
+    L.buffers[index] = {mem, n, offset};
   }
   std::fclose(f);
   return L;
@@ -384,10 +395,10 @@ inline void write_response(const char* path, const Launch& L) {
   std::fwrite(&n, 4, 1, f);
   for (const auto& kv : L.buffers) {
     const int32_t index = kv.first;
-    const uint64_t bytes = kv.second.second;
+    const uint64_t bytes = kv.second.bytes;
     std::fwrite(&index, 4, 1, f);
     std::fwrite(&bytes, 8, 1, f);
-    if (bytes) std::fwrite(kv.second.first, 1, bytes, f);
+    if (bytes) std::fwrite(kv.second.mem, 1, bytes, f);
   }
   if (std::fclose(f) != 0) fail(std::string("cannot write response ") + path);
 }
@@ -438,7 +449,7 @@ inline void run(const EntryDef& e, const Launch& L) {
     if (it == L.buffers.end()) {
       fail(std::string(e.name) + ": buffer(" + std::to_string(p.index) + ") (" + p.name + ") is not bound");
     }
-    buffers[p.index] = it->second.first;
+    buffers[p.index] = it->second.mem + it->second.offset;
   }
   long threads = 1;
   for (int i = 0; i < 3; ++i) {
@@ -521,8 +532,8 @@ inline int main(int argc, char** argv, const EntryDef* entries, int n_entries) {
   if (entry == nullptr) fail("no entry " + L.entry + " in this source (it has: " + names + ")");
   set_function_constants(L);
   for (const auto& kv : L.buffers) {  // lets emulator.py name the buffer a sanitizer report points into
-    std::fprintf(stderr, "metal_emu: buffer(%d) at %p size %llu\n", kv.first, static_cast<void*>(kv.second.first),
-                 static_cast<unsigned long long>(kv.second.second));
+    std::fprintf(stderr, "metal_emu: buffer(%d) at %p size %llu\n", kv.first, static_cast<void*>(kv.second.mem),
+                 static_cast<unsigned long long>(kv.second.bytes));
   }
   run(*entry, L);
   write_response(argv[2], L);
