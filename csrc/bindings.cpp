@@ -99,6 +99,11 @@ NB_MODULE(_ext, m) {
       "Lazily launch a plan on the artifact; returns the outputs in signature order. A binary with an "
       "`on_copy(buffer, reason)` attribute is told of every in-place buffer written through a copy.");
 
+  m.def(
+      "rebind", [](mlx::core::array& dst, const mlx::core::array& src) { dst.overwrite_descriptor(src); },
+      "dst"_a, "src"_a,
+      "Make the array object `dst` the array `src` (the same graph node, no new one): how the integrations "
+      "give the attention's placeholder its value.");
   m.def("cuda_device_arch", &mlx_aot::cuda_device_arch, "device"_a = 0,
         "Compute capability of a CUDA device as 'sm_XY' ('' without CUDA).");
   m.def(

@@ -6,7 +6,9 @@
 // pass-through pairs (R + 2j, R + 2j + 1)). Pass 1 sums the squares (warp shuffle reduction), pass 2
 // normalises (fp32, one rounding to T, as the model's norm returns T), rotates in fp32 and stores.
 // The grid is 1-D (n_tokens * (n_q_heads + n_kv_heads) * 32 threads), so prefill sizes never meet
-// the 65535-block limit of the other axes.
+// the 65535-block limit of the other axes. q/k/v/q_out/k_out are strided (act_layout 0 [T, H, D] or
+// 1 [B, H, L, D], their own Strides; aot_cuda::act_row): feature d of a row is d * s[3] elements from
+// its feature 0. Every access is one element, so any strides and alignment work alike.
 #include <stdint.h>
 
 #include "aot_cuda.cuh"
@@ -14,10 +16,17 @@
 namespace {
 
 using aot_cuda::Cvt;
+using aot_cuda::Strides;
 
 struct Params {
   int n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional, pool_layout;
   float pos_scale, mscale, eps, weight_offset;
+  int seq_len, act_layout;
+};
+
+// The activations' strides, in buffer order.
+struct ActStrides {
+  Strides q, k, v, q_out, k_out;
 };
 
 template <typename T>
@@ -28,7 +37,7 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      T* __restrict__ q_out, T* __restrict__ k_out, P* k_pool, P* v_pool,
                      const int32_t* __restrict__ positions, const int32_t* __restrict__ slots,
                      const float* __restrict__ inv_freq, const T* __restrict__ q_weight,
-                     const T* __restrict__ k_weight, const Params& p) {
+                     const T* __restrict__ k_weight, const Params& p, const ActStrides& st) {
   const long long gid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long row_id = gid / 32;
   const int lane = static_cast<int>(gid % 32);
@@ -40,9 +49,10 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const bool is_q = hh < p.n_q_heads;
   const int h = is_q ? hh : hh - p.n_q_heads;
   const int D = p.head_dim;
-  const long long row = (static_cast<long long>(t) * (is_q ? p.n_q_heads : p.n_kv_heads) + h) * D;
-  const T* in = (is_q ? q : k) + row;
-  T* out = (is_q ? q_out : k_out) + row;
+  const Strides in_st = is_q ? st.q : st.k, out_st = is_q ? st.q_out : st.k_out;
+  const T* in = (is_q ? q : k) + aot_cuda::act_row(t, h, in_st, p.act_layout, p.seq_len);
+  T* out = (is_q ? q_out : k_out) + aot_cuda::act_row(t, h, out_st, p.act_layout, p.seq_len);
+  const long long in_step = in_st.s[3], out_step = out_st.s[3];
   const T* w = is_q ? q_weight : k_weight;
   const int half_rot = p.rotary_dims / 2;
   const int pairs = D / 2;
@@ -52,7 +62,7 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   for (int i = lane; i < pairs; i += 32) {
     const int a = i < half_rot ? (trad ? 2 * i : i) : p.rotary_dims + 2 * (i - half_rot);
     const int b = i < half_rot && !trad ? a + half_rot : a + 1;
-    const float x1 = Cvt<T>::load(in[a]), x2 = Cvt<T>::load(in[b]);
+    const float x1 = Cvt<T>::load(in[a * in_step]), x2 = Cvt<T>::load(in[b * in_step]);
     ss += x1 * x1 + x2 * x2;
   }
 #pragma unroll
@@ -63,7 +73,11 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   // Never out of bounds (nor a division by zero rows of inconsistent head-major scalars).
   const bool store = !is_q && slot >= 0 && slot < p.pool_size && (p.pool_layout == 0 || p.pool_rows > 0);
   long long dst = 0;
+  const T* vr = v;
+  long long v_step = 0;
   if (store) {
+    vr = v + aot_cuda::act_row(t, h, st.v, p.act_layout, p.seq_len);
+    v_step = st.v.s[3];
     const long long b = slot / p.pool_rows, s = slot % p.pool_rows;
     dst = p.pool_layout == 0 ? (static_cast<long long>(slot) * p.n_kv_heads + h) * D
                              : ((b * p.n_kv_heads + h) * p.pool_rows + s) * D;
@@ -73,8 +87,8 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const bool rotary = i < half_rot;
     const int a = rotary ? (trad ? 2 * i : i) : p.rotary_dims + 2 * (i - half_rot);
     const int b = rotary && !trad ? a + half_rot : a + 1;
-    float y1 = rounded<T>(Cvt<T>::load(in[a]) * r * (Cvt<T>::load(w[a]) + p.weight_offset));
-    float y2 = rounded<T>(Cvt<T>::load(in[b]) * r * (Cvt<T>::load(w[b]) + p.weight_offset));
+    float y1 = rounded<T>(Cvt<T>::load(in[a * in_step]) * r * (Cvt<T>::load(w[a]) + p.weight_offset));
+    float y2 = rounded<T>(Cvt<T>::load(in[b * in_step]) * r * (Cvt<T>::load(w[b]) + p.weight_offset));
     if (rotary) {
       float s, c;
       sincosf(pos * inv_freq[i], &s, &c);
@@ -83,13 +97,13 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
       y2 = x1 * s + x2 * c;
     }
     const T o1 = Cvt<T>::store(y1), o2 = Cvt<T>::store(y2);
-    out[a] = o1;
-    out[b] = o2;
+    out[a * out_step] = o1;
+    out[b * out_step] = o2;
     if (store) {
       k_pool[dst + a] = Cvt<P>::store(Cvt<T>::load(o1));
       k_pool[dst + b] = Cvt<P>::store(Cvt<T>::load(o2));
-      v_pool[dst + a] = Cvt<P>::store(Cvt<T>::load(v[row + a]));
-      v_pool[dst + b] = Cvt<P>::store(Cvt<T>::load(v[row + b]));
+      v_pool[dst + a] = Cvt<P>::store(Cvt<T>::load(vr[a * v_step]));
+      v_pool[dst + b] = Cvt<P>::store(Cvt<T>::load(vr[b * v_step]));
     }
   }
 }
@@ -102,10 +116,14 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
       const int32_t* positions, const int32_t* slots, const float* inv_freq, const T* q_weight,            \
       const T* k_weight, int n_tokens, int pool_size, int pool_rows, int n_q_heads, int n_kv_heads,        \
       int head_dim, int rotary_dims, int traditional, int pool_layout, float pos_scale, float mscale,      \
-      float eps, float weight_offset) {                                                                    \
-    const Params p{n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim,    \
-                   rotary_dims, traditional, pool_layout, pos_scale, mscale, eps, weight_offset};          \
-    body<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, q_weight, k_weight, p);  \
+      float eps, float weight_offset, int seq_len, int act_layout, Strides q_strides, Strides k_strides,    \
+      Strides v_strides, Strides q_out_strides, Strides k_out_strides) {                                  \
+    const Params p{n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims,          \
+                   traditional, pool_layout, pos_scale, mscale, eps, weight_offset, seq_len, act_layout};  \
+    const ActStrides st{q_strides, k_strides, v_strides, q_out_strides, k_out_strides};                   \
+    if (!aot_cuda::act_layout_ok(act_layout, seq_len)) return; /* an unknown layout: nothing */            \
+    body<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, q_weight, k_weight, p,   \
+               st);                                                                                        \
   }
 
 QKN_ENTRY(qk_norm_rope_pool_fused_f16, __half, __half)

@@ -3,9 +3,13 @@
 // [B, Hkv, S, D]; pool_offset, as in the CPU kernel). The pools may hold another float type P than
 // q/k/v (T): the k_out / v values are converted on the store (store_pool).
 //
+// q/k/v/q_out/k_out are strided (act_layout 0 [T, H, D] or 1 [B, H, L, D], their own Strides; see
+// aot_cuda::act_row): only the address of an activation element depends on them.
+//
 // Work decomposition. A row (one head of one token) is split into units of W-element vectors
 // (W = vec_width, from the wrapper: 16 bytes / element size when the row layout allows it, else
-// smaller, down to 1):
+// smaller, down to 1); an activation buffer whose strides or address cannot hold W-vectors
+// (aot_cuda::vec_ok, one decision per buffer and launch) moves the same units element by element:
 //   - rotary units: W pairs held in two W-vectors a and b; half-split: a = x[uW..], b = x[R/2 + uW..];
 //     traditional: a = x[2uW..], b = x[2uW + W..] (pairs adjacent inside each vector);
 //   - pass-through units: one W-vector of features [R, D), copied.
@@ -21,12 +25,18 @@
 namespace {
 
 using aot_cuda::Cvt;
+using aot_cuda::Strides;
 using aot_cuda::Vec;
 
 struct Params {
   int n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims, traditional, hpt;
   float pos_scale, mscale;
-  int pool_layout;
+  int pool_layout, seq_len, act_layout;
+};
+
+// The activations' strides, in buffer order.
+struct ActStrides {
+  Strides q, k, v, q_out, k_out;
 };
 
 // Element offset of pool row (slot, h). Slot-major [S, Hkv, D]: slot is the row. Head-major
@@ -37,8 +47,6 @@ __device__ __forceinline__ long long pool_offset(int slot, int h, const Params& 
   return ((static_cast<long long>(b) * p.n_kv_heads + h) * p.pool_rows + s) * p.head_dim;
 }
 
-template <typename T, int W>
-__device__ __forceinline__ Vec<T, W> load_vec(const T* p) { return *reinterpret_cast<const Vec<T, W>*>(p); }
 template <typename T, int W>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, W>& x) { *reinterpret_cast<Vec<T, W>*>(p) = x; }
 
@@ -91,8 +99,11 @@ template <typename T, typename P, int W>
 __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      T* __restrict__ q_out, T* __restrict__ k_out, P* k_pool, P* v_pool,
                      const int32_t* __restrict__ positions, const int32_t* __restrict__ slots,
-                     const float* __restrict__ inv_freq, const Params& p) {
+                     const float* __restrict__ inv_freq, const Params& p, const ActStrides& st) {
   using V = Vec<T, W>;
+  using aot_cuda::act_row;
+  using aot_cuda::load_unit;
+  using aot_cuda::store_unit;
   const int half = p.rotary_dims / 2;
   const int rot_units = half / W;
   const int units = rot_units + (p.head_dim - p.rotary_dims) / W;
@@ -109,7 +120,6 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int h0 = (is_q ? g : g - gq) * p.hpt;
   const int h1 = min(h0 + p.hpt, n_heads);
   const bool trad = p.traditional != 0;
-  const int D = p.head_dim;
 
   const int slot = is_q ? -1 : slots[t];
   // Never out of bounds (nor a division by zero rows).
@@ -133,25 +143,38 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
     off_a = p.rotary_dims + (u - rot_units) * W;
   }
 
+  const T* in_base = is_q ? q : k;
+  T* out_base = is_q ? q_out : k_out;
+  const Strides in_st = is_q ? st.q : st.k, out_st = is_q ? st.q_out : st.k_out;
+  const bool in_vec = aot_cuda::vec_ok<T, W>(in_base, in_st);
+  const bool out_vec = aot_cuda::vec_ok<T, W>(out_base, out_st);
+  const bool v_vec = aot_cuda::vec_ok<T, W>(v, st.v);
+  const int in_step = in_st.s[3], out_step = out_st.s[3], v_step = st.v.s[3];
+  // Feature d of a row is d * step elements from the row's feature 0 (64-bit).
+  const long long fa = off_a, fb = off_b;
+  const long long in_a = fa * in_step, in_b = fb * in_step;
+  const long long out_a = fa * out_step, out_b = fb * out_step;
+  const long long v_a = fa * v_step, v_b = fb * v_step;
+
   for (int h = h0; h < h1; ++h) {
-    const long long row = (static_cast<long long>(t) * n_heads + h) * D;
-    const T* in = (is_q ? q : k) + row;
-    T* out = (is_q ? q_out : k_out) + row;
+    const T* in = in_base + act_row(t, h, in_st, p.act_layout, p.seq_len);
+    T* out = out_base + act_row(t, h, out_st, p.act_layout, p.seq_len);
+    const T* vr = write ? v + act_row(t, h, st.v, p.act_layout, p.seq_len) : v;
     const long long dst = write ? pool_offset(slot, h, p) : 0;
-    V a = load_vec<T, W>(in + off_a);
+    V a = load_unit<T, W>(in + in_a, in_step, in_vec);
     if (rotary) {
-      V b = load_vec<T, W>(in + off_b);
+      V b = load_unit<T, W>(in + in_b, in_step, in_vec);
       rotate_unit<T, W>(a, b, c, s, trad, p.mscale);
-      store_vec<T, W>(out + off_b, b);
+      store_unit<T, W>(out + out_b, out_step, out_vec, b);
       if (write) {
         store_pool<P>(k_pool + dst + off_b, b);
-        store_pool<P>(v_pool + dst + off_b, load_vec<T, W>(v + row + off_b));
+        store_pool<P>(v_pool + dst + off_b, load_unit<T, W>(vr + v_b, v_step, v_vec));
       }
     }
-    store_vec<T, W>(out + off_a, a);
+    store_unit<T, W>(out + out_a, out_step, out_vec, a);
     if (write) {
       store_pool<P>(k_pool + dst + off_a, a);
-      store_pool<P>(v_pool + dst + off_a, load_vec<T, W>(v + row + off_a));
+      store_pool<P>(v_pool + dst + off_a, load_unit<T, W>(vr + v_a, v_step, v_vec));
     }
   }
 }
@@ -161,21 +184,23 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
 // units span 2W elements and the pass-through tail W-element vectors, all starting on multiples of W
 // (W == 1 covers every even rotary_dims). Only the widths switched on below exist; any other width,
 // or one the row layout cannot hold, launches nothing (tests/test_rope_pool_fused_geometry.py checks
-// the wrapper picks only these). The pool's accesses are W * sizeof(P) bytes, at most 16
-// (store_pool), aligned likewise: every row starts on a multiple of head_dim, which W divides.
+// the wrapper picks only these); so does an unknown act_layout (or seq_len < 1 with act_layout 1).
+// The pool's accesses are W * sizeof(P) bytes, at most 16 (store_pool), aligned likewise: every row
+// starts on a multiple of head_dim, which W divides.
 template <typename T, typename P>
 __device__ void dispatch(const T* q, const T* k, const T* v, T* q_out, T* k_out, P* k_pool, P* v_pool,
                          const int32_t* positions, const int32_t* slots, const float* inv_freq, int vec_width,
-                         const Params& p) {
+                         const Params& p, const ActStrides& st) {
   if (vec_width < 1 || p.rotary_dims % (2 * vec_width) || (p.head_dim - p.rotary_dims) % vec_width) return;
+  if (!aot_cuda::act_layout_ok(p.act_layout, p.seq_len)) return;
   switch (vec_width) {
     case 8:
       if constexpr (sizeof(T) == 2)
-        body<T, P, 8>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p);
+        body<T, P, 8>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p, st);
       break;
-    case 4: body<T, P, 4>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
-    case 2: body<T, P, 2>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
-    case 1: body<T, P, 1>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p); break;
+    case 4: body<T, P, 4>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p, st); break;
+    case 2: body<T, P, 2>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p, st); break;
+    case 1: body<T, P, 1>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, p, st); break;
     default: break;
   }
 }
@@ -188,11 +213,14 @@ __device__ void dispatch(const T* q, const T* k, const T* v, T* q_out, T* k_out,
       const T* q, const T* k, const T* v, T* q_out, T* k_out, P* k_pool, P* v_pool,                      \
       const int32_t* positions, const int32_t* slots, const float* inv_freq, int n_tokens, int pool_size, \
       int pool_rows, int n_q_heads, int n_kv_heads, int head_dim, int rotary_dims, int traditional,      \
-      int heads_per_thread, float pos_scale, float mscale, int pool_layout, int vec_width) {             \
+      int heads_per_thread, float pos_scale, float mscale, int pool_layout, int vec_width, int seq_len,   \
+      int act_layout, Strides q_strides, Strides k_strides, Strides v_strides, Strides q_out_strides,     \
+      Strides k_out_strides) {                                                                           \
     const Params p{n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims,         \
                    traditional, heads_per_thread < 1 ? 1 : heads_per_thread, pos_scale, mscale,           \
-                   pool_layout};                                                                         \
-    dispatch<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, vec_width, p);     \
+                   pool_layout, seq_len, act_layout};                                                    \
+    const ActStrides st{q_strides, k_strides, v_strides, q_out_strides, k_out_strides};                  \
+    dispatch<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, vec_width, p, st); \
   }
 
 ROPE_POOL_ENTRY(rope_pool_fused_f16, __half, __half)

@@ -19,7 +19,7 @@ from registry.integrations.engine import mlx_lm_greedy
 from registry.integrations.mlx_lm import build_kernel_sets, build_model, import_mlx_lm_module, make_own_cache
 from registry.integrations.slot_engine import EngineError, SlotEngine, UnsupportedModelError
 from registry.paths import PROJECT_ROOT
-from tests._noise import assert_tokens_match, compared_steps, logits_atol, noise_floor
+from tests._noise import NOISE_FACTOR, assert_tokens_match, compared_steps, logits_atol, noise_floor
 
 PROMPTS = [[3, 17, 42, 99, 7], [11, 5], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12]]   # different lengths
 NEW_TOKENS = 16
@@ -108,13 +108,19 @@ def test_bfloat16_logits_within_tolerance(native_artifacts, arch):
         diff = np.abs(out["logits"][i] - mlx_lm).max()
         eng_err = np.abs(out["logits"][i] - truth).max()
         mlx_err = np.abs(mlx_lm - truth).max()
+        # mlx-lm's own bf16 noise: the same prompt as row 0 of a batch of 3 (tests/_noise.py). The engine
+        # batches requests, and mlx-lm at another batch shape is as valid a bf16 answer as at batch 1;
+        # in MoE models (laguna on the H200: engine 0.113 from float32, mlx-lm at batch 1 0.020) one
+        # bf16 rounding can flip an expert choice, a step that only this floor measures.
+        floor = NOISE_FACTOR * noise_floor(model, prompt, toks, mlx_lm)
         # Not less accurate than mlx-lm's own bf16 path, against float32 ...
-        assert eng_err <= 2 * mlx_err + 1e-3 * scale, f"{arch}: request {i}: engine err {eng_err:.4g} vs mlx-lm {mlx_err:.4g}"
+        assert eng_err <= 2 * (mlx_err + floor) + 1e-3 * scale, \
+            f"{arch}: request {i}: engine err {eng_err:.4g} vs mlx-lm {mlx_err:.4g} (bf16 noise floor x2 {floor:.4g})"
         # ... and close to mlx-lm, unless the engine is the one nearer float32 (then the difference is
-        # mlx-lm's own error: on CUDA mx.fast.rope's fast sin/cos adds to its bf16 rounding).
-        assert diff <= BF16_REL_TOL * scale or eng_err <= mlx_err, \
-            f"{arch}: request {i}: |engine - mlx-lm| {diff:.4g} > {BF16_REL_TOL} x {scale:.4g} (errors vs float32: " \
-            f"engine {eng_err:.4g}, mlx-lm {mlx_err:.4g})"
+        # mlx-lm's own error).
+        assert diff <= BF16_REL_TOL * scale + floor or eng_err <= mlx_err, \
+            f"{arch}: request {i}: |engine - mlx-lm| {diff:.4g} > {BF16_REL_TOL} x {scale:.4g} + {floor:.4g} (errors " \
+            f"vs float32: engine {eng_err:.4g}, mlx-lm {mlx_err:.4g})"
 
 
 # ----------------------------------------------------------------------------- which path runs
@@ -138,7 +144,8 @@ def test_engine_uses_the_native_kernel_where_selected(native_artifacts):
         type(kset.rope).__call__ = original
     # 2 layers x (2 prefills + 2 batched decode steps), one fused call per layer each
     assert len(shapes) == 2 * (2 + 2)
-    assert shapes[0] == (5, 4, 16) and shapes[2] == (2, 4, 16) and shapes[-1] == (2, 4, 16)
+    # q as the attention holds it, [B, H, L, D]: the kernel reads it in place (strided)
+    assert shapes[0] == (1, 4, 5, 16) and shapes[2] == (1, 4, 2, 16) and shapes[-1] == (2, 4, 1, 16)
 
 
 def test_rejected_rope_runs_the_module_rope():

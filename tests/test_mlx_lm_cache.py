@@ -154,13 +154,16 @@ def test_growth_by_256_and_chunked_prefill(native_artifacts):
     np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
     ref = stock.make_prompt_cache(model)
     run(model, ref, prompt, prefill_step_size=128)
-    # The kernel rotates with precise sin/cos; mlx-lm's rows come from mx.fast.rope, whose error on
-    # this device bounds the difference (CPU: fp32 round-off; CUDA: fast sin/cos, up to ~5e-4 here).
-    atol = 1e-5 + 2 * rope_floor(model.layers[0].self_attn.rope, cache[0].keys.shape[-1], len(prompt))
+    # The kernel rotates with its own fp32 angles; mlx-lm's rows come from mx.fast.rope, whose error on
+    # this device, relative to the rows' magnitude, bounds the difference (on the H200 the key rows of
+    # this model reach ~4.7e-4 apart: larger keys, larger angle error).
+    rel = rope_floor(model.layers[0].self_attn.rope, cache[0].keys.shape[-1], len(prompt))
     for ours, theirs in zip(cache, ref):
         assert ours.keys.shape == theirs.keys.shape and ours.offset == theirs.offset
         n = ours.offset
-        np.testing.assert_allclose(np.array(ours.keys[..., :n, :]), np.array(theirs.keys[..., :n, :]), atol=atol)
+        want_keys = np.array(theirs.keys[..., :n, :])
+        atol = 1e-5 + 2 * rel * float(np.abs(want_keys).max())
+        np.testing.assert_allclose(np.array(ours.keys[..., :n, :]), want_keys, atol=atol)
         np.testing.assert_allclose(np.array(ours.values[..., :n, :]), np.array(theirs.values[..., :n, :]), atol=1e-5)
 
 

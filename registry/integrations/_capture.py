@@ -117,9 +117,26 @@ class NormBypass:
         return x
 
 
+def _rebinder():
+    """registry._ext.rebind (the placeholder object becomes `value` itself: no graph node), else
+    MLX's `ph[...] = value` (which adds a broadcast, and a squeeze at batch 1, per call)."""
+    try:
+        from registry._ext import rebind
+        return rebind
+    except ImportError:
+        def rebind(ph: mx.array, value: mx.array) -> None:
+            ph[...] = value
+        return rebind
+
+
+_rebind = _rebinder()
+
+
 def resolve(call: RopeCall, value: mx.array) -> None:
     """Give the attention's placeholder its value (the same array object, rebound in place)."""
-    call.ph[...] = value
+    if tuple(value.shape) != tuple(call.ph.shape):
+        raise DataflowError(f"the value {tuple(value.shape)} for a rope output {tuple(call.ph.shape)} has another shape")
+    _rebind(call.ph, value)
 
 
 def resolve_with_module_rope(cap: RopeCapture, keys: mx.array) -> mx.array:

@@ -157,19 +157,6 @@ def _int_index(start: int, L: int, B: int, S: int, pos: int) -> tuple[mx.array, 
     return hit
 
 
-def _tokens(x: mx.array) -> mx.array:          # [B, H, L, D] -> [B*L, H, D]
-    B, H, L, D = x.shape
-    if L == 1:                                   # decode: the same element order, one op
-        return x.reshape(B, H, D)
-    return x.transpose(0, 2, 1, 3).reshape(B * L, H, D)
-
-
-def _heads(x: mx.array, B: int, L: int) -> mx.array:   # [B*L, H, D] -> [B, H, L, D]
-    if L == 1:
-        return x.reshape(B, x.shape[1], 1, x.shape[2])
-    return x.reshape(B, L, x.shape[1], x.shape[2]).transpose(0, 2, 1, 3)
-
-
 _DUMMY_POOLS: dict[tuple, tuple[mx.array, mx.array]] = {}
 
 
@@ -256,24 +243,22 @@ class _Fused:
         B, Hkv, L, D = k.shape
         kp, vp = _dummy_pools(Hkv, D, k.dtype)
         slots = mx.full((B * L,), -1, dtype=mx.int32)
-        q_rot, k_rot, kp, vp = self._fusion.kernel(_tokens(q), _tokens(k), _tokens(values), positions, slots,
-                                                   kp, vp, check_slots=False)
+        q_rot, k_rot, kp, vp = self._fusion.kernel(q, k, values, positions, slots, kp, vp, check_slots=False)
         _DUMMY_POOLS[(Hkv, D, k.dtype)] = (kp, vp)          # rebind, as with any in-place output
-        resolve(q_call, _heads(q_rot, B, L))
-        k_rot = _heads(k_rot, B, L)
+        resolve(q_call, q_rot)
         resolve(k_call, k_rot)
         self._fusion.calls["rotate_only"] += 1
         return k_rot
 
     def _write(self, calls, values, positions, slots) -> None:
-        """One kernel call: rotate q and k, write k and v into self.keys/self.values at `slots`."""
+        """One kernel call: rotate q and k, write k and v into self.keys/self.values at `slots`. The
+        kernel reads the attention's [B, H, L, D] views as they are (strided: token t = b * L + l, the
+        order of positions and slots) and returns q and k in that shape."""
         q_call, k_call = calls
-        B, _, L, _ = k_call.x.shape
         q_rot, k_rot, self.keys, self.values = self._fusion.kernel(
-            _tokens(q_call.x), _tokens(k_call.x), _tokens(values), positions, slots, self.keys, self.values,
-            check_slots=False)
-        resolve(q_call, _heads(q_rot, B, L))
-        resolve(k_call, _heads(k_rot, B, L))      # free unless the attention reads its keys again
+            q_call.x, k_call.x, values, positions, slots, self.keys, self.values, check_slots=False)
+        resolve(q_call, q_rot)
+        resolve(k_call, k_rot)                    # free unless the attention reads its keys again
         self._fusion.calls["fused"] += 1
 
     def _grow(self, rows: int, keys: mx.array, values: mx.array, B: int | None = None) -> None:

@@ -164,17 +164,14 @@ class PoolCache:
                 raise EngineError(f"layer {self.plan.layer}: {e}; the model trace did not show this "
                                   f"(construct the engine with mode='module')") from None
             self.hook.reset()
-            q = q_call.x
-            Hq, D = q.shape[1], q.shape[3]
+            # The kernels take the attention's [B, H, L, D] views as they are (strided) and return q and
+            # k in that shape: token t = b * L + l, the order of ctx.positions and ctx.slots.
             q_rot, k_rot, self.k_pool, self.v_pool = self.plan.call(
-                self._tokens(q), self._tokens(k_call.x), self._tokens(values), ctx.positions, ctx.slots,
-                self.k_pool, self.v_pool)
-            resolve(q_call, q_rot.reshape(B, L, Hq, D).transpose(0, 2, 1, 3))
-            # Free unless the attention reads its own rotated keys after the write.
-            resolve(k_call, k_rot.reshape(B, L, Hkv, D).transpose(0, 2, 1, 3))
+                q_call.x, k_call.x, values, ctx.positions, ctx.slots, self.k_pool, self.v_pool)
+            resolve(q_call, q_rot)
+            resolve(k_call, k_rot)                 # free unless the attention reads its rotated keys again
         elif self.plan.store is not None:          # keys rotated (or not) by the module: kv_pool_store
-            self.k_pool, self.v_pool = self.plan.store(self._tokens(keys), self._tokens(values), ctx.slots,
-                                                       self.k_pool, self.v_pool)
+            self.k_pool, self.v_pool = self.plan.store(keys, values, ctx.slots, self.k_pool, self.v_pool)
         else:                                      # keys were rotated (or not) by the module itself
             self.k_pool[ctx.slots] = self._tokens(keys)
             self.v_pool[ctx.slots] = self._tokens(values)
