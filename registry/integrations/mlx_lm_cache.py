@@ -362,11 +362,14 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
 
 def _batch_index(offset: mx.array, start: int, L: int, S: int) -> tuple[mx.array, mx.array]:
     """(positions, slots) int32 [B*L] for a batch cache: token l of row b at position offset[b] + l,
-    written to row start + l of batch row b (slot b*S + start + l). Lazy: no host sync."""
+    written to row start + l of batch row b (slot b*S + start + l). Lazy: no host sync. The slots
+    are a constant every layer of a step shares (_int_index's memo); a decode step's positions are
+    the offsets themselves, so neither adds a graph node."""
     B = offset.shape[0]
-    ls = mx.arange(L, dtype=mx.int32)
-    positions = (offset.astype(mx.int32)[:, None] + ls[None]).reshape(-1)
-    slots = (mx.arange(B, dtype=mx.int32)[:, None] * S + start + ls[None]).reshape(-1)
+    _, slots = _int_index(start, L, B, S, 0)
+    if L == 1:
+        return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), slots
+    positions = (offset.astype(mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]).reshape(-1)
     return positions, slots
 
 
