@@ -39,7 +39,7 @@ passed = n("tests") - failed - skipped
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                      text=True).stdout.strip() or "no GPU"
 print(f"whole suite: {passed} passed, {failed} failed, {skipped} skipped at commit {sys.argv[2]} "
-      f"({datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {socket.gethostname()}: {gpu})")
+      f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {socket.gethostname()}: {gpu})")
 PY
     cat "$log/summary.txt"
     exit "$rc" ;;
