@@ -1,0 +1,53 @@
+"""Probe (not a test): where one batch-1 decode step of mlx-lm's own loop goes, with mlx-lm's caches
+and with the drop-in fused cache (registry.integrations.mlx_lm.make_prompt_cache), on the current
+device: building the step's graph in Python, queueing it (mx.async_eval: MLX's encode), and the
+whole pipelined step; plus the launcher's counters (copies and syncs must stay 0). Sizes from
+benchmarks/e2e.SIZES (random bf16 weights). docs/benchmarks/e2e-root-cause.md.
+
+    PYTHONPATH=. python3 tests/gpu/diag_step.py [--sizes llama-1b,llama-8b] [--steps 64]
+"""
+import argparse
+import time
+
+import mlx.core as mx
+
+from benchmarks.e2e import SIZES, random_model
+from registry import native
+from registry.integrations.mlx_lm import make_own_cache, make_prompt_cache
+
+p = argparse.ArgumentParser()
+p.add_argument("--sizes", default="llama-1b,llama-8b")
+p.add_argument("--steps", type=int, default=64)
+args = p.parse_args()
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+for name in args.sizes.split(","):
+    model = random_model(SIZES[name].config, mx.bfloat16)
+    for rnd in range(2):
+        for label, make in (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache)):
+            cache = make(model)
+            y = mx.argmax(model(mx.array([[1] * 128]), cache=cache)[:, -1], axis=-1)
+            mx.eval(y)
+            native.reset_stats()
+            build, queue, step = [], [], []
+            for _ in range(args.steps):          # generate_step's pattern: queue n+1, then read n
+                t0 = time.perf_counter()
+                logits = model(y[:, None], cache=cache)[:, -1]
+                nxt = mx.argmax(logits, axis=-1)
+                t1 = time.perf_counter()
+                mx.async_eval(nxt)
+                t2 = time.perf_counter()
+                y.item()
+                t3 = time.perf_counter()
+                build.append(t1 - t0), queue.append(t2 - t1), step.append(t3 - t0)
+                y = nxt
+            y.item()
+            st = native.stats()
+            layers = len(model.layers)
+            print(f"{name} round {rnd} {label:12s} step {1e3 * median(step):6.3f} ms ({1 / median(step):6.1f} tok/s)  "
+                  f"build {1e3 * median(build):6.3f} ms ({1e6 * median(build) / layers:5.1f} us/layer)  "
+                  f"queue {1e3 * median(queue):6.3f} ms  copies {st['copies']} syncs {st['syncs']}", flush=True)
