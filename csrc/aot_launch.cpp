@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <climits>
 #include <cerrno>
@@ -170,6 +171,26 @@ std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shar
     if (want != got) {
       throw std::invalid_argument("[mlx_aot] " + entry + ": buffer " + std::to_string(b) + " has dtype " + got +
                                   ", the entry expects " + want);
+    }
+  }
+  if (!args->input_shapes.empty()) {
+    if (args->input_shapes.size() != inputs.size()) {
+      throw std::invalid_argument("[mlx_aot] " + entry + ": the plan has shapes for " +
+                                  std::to_string(args->input_shapes.size()) + " inputs, got " +
+                                  std::to_string(inputs.size()));
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const auto& want = args->input_shapes[i];
+      const auto& got = inputs[i].shape();
+      if (!std::equal(want.begin(), want.end(), got.begin(), got.end())) {
+        auto str = [](const auto& v) {
+          std::string s;
+          for (size_t j = 0; j < v.size(); ++j) s += (j ? "x" : "") + std::to_string(v[j]);
+          return s.empty() ? std::string("scalar") : s;
+        };
+        throw std::invalid_argument("[mlx_aot] " + entry + ": input " + std::to_string(i) + " has shape " + str(got) +
+                                    ", the plan was made for " + str(want) + "; make a plan for these shapes");
+      }
     }
   }
   // Decide every in-place input on the arrays as passed, before any is replaced by a guard.

@@ -45,6 +45,9 @@ struct LaunchArgs {
   std::array<int, 3> grid{1, 1, 1};   // threads per axis
   std::array<int, 3> group{1, 1, 1};  // threads per threadgroup / block
   std::vector<std::string> buffer_dtypes;  // per buffer: the dtype the entry expects (from its key)
+  // Per input array (launch order): the shape the plan's scalars and geometry were computed for;
+  // empty = not checked. A plan launched on other shapes would index out of bounds.
+  std::vector<std::vector<int>> input_shapes;
 };
 
 class AotLaunch : public mx::Primitive {

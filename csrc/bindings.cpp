@@ -58,17 +58,19 @@ NB_MODULE(_ext, m) {
   nb::class_<LaunchArgs>(m, "LaunchArgs")
       .def("__init__",
            [](LaunchArgs* self, std::string entry, std::vector<uint32_t> scalars, std::array<int, 3> grid,
-              std::array<int, 3> group, std::string dtype, std::vector<std::string> buffer_dtypes) {
+              std::array<int, 3> group, std::string dtype, std::vector<std::string> buffer_dtypes,
+              std::vector<std::vector<int>> input_shapes) {
              for (int i = 0; i < 3; ++i) {
                if (grid[i] < 0 || group[i] < 1)
                  throw std::invalid_argument("grid must be >= 0 and threadgroup >= 1 on every axis");
              }
              new (self) LaunchArgs{std::move(entry), std::move(dtype), std::move(scalars), grid, group,
-                                   std::move(buffer_dtypes)};
+                                   std::move(buffer_dtypes), std::move(input_shapes)};
            },
            "entry"_a, "scalars"_a, "grid"_a, "threadgroup"_a, "dtype"_a, "buffer_dtypes"_a,
-           "A launch plan: entry symbol, its dtype key, scalar bit patterns, grid (threads), threadgroup "
-           "and the dtype each buffer must have.")
+           "input_shapes"_a = std::vector<std::vector<int>>{},
+           "A launch plan: entry symbol, its dtype key, scalar bit patterns, grid (threads), threadgroup, "
+           "the dtype each buffer must have and (optionally) the shape of each input array.")
       .def_ro("entry", &LaunchArgs::entry)
       .def_ro("dtype", &LaunchArgs::dtype);
 

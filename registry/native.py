@@ -123,11 +123,13 @@ class Launcher:
         return tuple(self._input_names)
 
     def plan(self, dtype: str, scalars: dict[str, int | float], *, grid: Sequence[int],
-             threadgroup: Sequence[int]) -> Any:
+             threadgroup: Sequence[int], input_shapes: Sequence[Sequence[int]] | None = None) -> Any:
         """Everything of a launch but the arrays, validated and packed once; reuse it for every call
         with the same shapes (the per-call cost is then one extension call). `dtype` is an entry key
         of the manifest: '<act>' (every buffer without a fixed dtype) or '<act>/<pool>' (buffers of
-        `dtype_group: pool` take the second)."""
+        `dtype_group: pool` take the second). `input_shapes` (one per input, in `input_names` order):
+        the shapes the scalars and geometry were computed for; a launch of the plan on other shapes is
+        then an error instead of out-of-bounds indexing."""
         entry = self.entries.get(dtype)
         if entry is None:
             raise KernelArgumentError(f"{self.spec.name}: no entry for dtype {dtype}; the manifest declares "
@@ -140,7 +142,8 @@ class Launcher:
         except KeyError as e:
             raise KernelArgumentError(f"{self.spec.name}: missing scalar {e.args[0]!r}; the signature needs "
                                       f"{self._scalar_names}") from None
-        return self._ext.LaunchArgs(entry, bits, tuple(grid), tuple(threadgroup), dtype, buffer_dtypes)
+        kw = {} if input_shapes is None else {"input_shapes": [[int(d) for d in s] for s in input_shapes]}
+        return self._ext.LaunchArgs(entry, bits, tuple(grid), tuple(threadgroup), dtype, buffer_dtypes, **kw)
 
     def run(self, plan: Any, arrays: list[mx.array], stream: Any = None) -> list[mx.array]:
         """Launch with a plan; `arrays` are the signature's inputs in `input_names` order."""

@@ -81,7 +81,7 @@ class _RecordingExt:
         return SimpleNamespace(kwargs=kw, **kw)
 
     @staticmethod
-    def LaunchArgs(entry, scalars, grid, threadgroup, dtype, buffer_dtypes):  # noqa: N802
+    def LaunchArgs(entry, scalars, grid, threadgroup, dtype, buffer_dtypes, input_shapes=()):  # noqa: N802
         return SimpleNamespace(entry=entry, scalars=list(scalars), grid=tuple(grid), group=tuple(threadgroup),
                                dtype=dtype, buffer_dtypes=list(buffer_dtypes))
 

@@ -445,3 +445,17 @@ def test_a_fresh_lazy_pool_is_computed_and_written_in_place(native_artifacts):
     assert (data_ptr(kp), data_ptr(vp)) == first
     after = native.stats()
     assert after["copies"] == before["copies"] and after["aliased"] - before["aliased"] == 4
+
+
+def test_a_plan_launched_on_other_shapes_is_an_error(native_artifacts):
+    """A plan's scalars and geometry are for one shape signature: run with other shapes (through
+    the public raw launch) it would index out of bounds, so the launcher refuses, naming the input."""
+    rope = RopeConfig(64)
+    kernel = native_kernel(rope)
+    decode = make_case(1, 4, 2, 64, 16, "float32", [3])
+    prefill = make_case(8, 4, 2, 64, 16, "float32", list(range(8)))
+    kernel(*prefill)
+    (plan,) = kernel._plans.values()                  # the 8-token plan
+    launch, binary = kernel._launch, kernel._binary
+    with pytest.raises(ValueError, match=r"input 0 has shape 1x4x64, the plan was made for 8x4x64"):
+        launch(binary, plan, kernel.launch_arrays(*decode), kernel.device)

@@ -308,7 +308,8 @@ class PoolKernel:
         if self._launcher is None:
             return _REFERENCE
         key, scalars, grid, group = self.launch_config(*args)
-        return self._launcher.plan(key, scalars, grid=grid, threadgroup=group)
+        shapes = [a.shape for a in self.launch_arrays(*args)]
+        return self._launcher.plan(key, scalars, grid=grid, threadgroup=group, input_shapes=shapes)
 
     def __call__(self, *args, check_slots: bool = True):
         if len(args) != len(self.ARGS):

@@ -684,12 +684,13 @@ class EmulatedMetal:
                                strided=[int(x) for x in strided], scalar_types=list(scalar_types),
                                specialize=list(specialize))
 
-    def LaunchArgs(self, entry, scalars, grid, group, dtype="", buffer_dtypes=()):  # noqa: N802
+    def LaunchArgs(self, entry, scalars, grid, group, dtype="", buffer_dtypes=(), input_shapes=()):  # noqa: N802
         grid, group = tuple(grid), tuple(group)
         if any(g < 0 for g in grid) or any(g < 1 for g in group):
             raise ValueError("grid must be >= 0 and threadgroup >= 1 on every axis")
         return SimpleNamespace(entry=entry, dtype=dtype, scalars=[int(s) & 0xFFFFFFFF for s in scalars], grid=grid,
-                               group=group, buffer_dtypes=list(buffer_dtypes))
+                               group=group, buffer_dtypes=list(buffer_dtypes),
+                               input_shapes=[tuple(s) for s in input_shapes])
 
     def launch(self, binary, plan, inputs, stream=None):
         roles = binary.roles
@@ -700,6 +701,11 @@ class EmulatedMetal:
             raise ValueError(f"{plan.entry}: expected {len(binary.scalar_types)} scalars, got {len(plan.scalars)}")
         if len(plan.buffer_dtypes) != len(roles):
             raise ValueError(f"{plan.entry}: expected {len(roles)} buffer dtypes, got {len(plan.buffer_dtypes)}")
+        shapes_of_plan = getattr(plan, "input_shapes", [])
+        for i, (want, a) in enumerate(zip(shapes_of_plan, inputs) if shapes_of_plan else ()):
+            if tuple(a.shape) != want:     # as the extension: a plan is for one shape signature
+                raise ValueError(f"{plan.entry}: input {i} has shape {'x'.join(map(str, a.shape))}, the plan was "
+                                 f"made for {'x'.join(map(str, want))}; make a plan for these shapes")
         it = iter(inputs)
         host: dict[int, np.ndarray] = {}
         offsets: dict[int, int] = {}
