@@ -63,25 +63,3 @@ def assert_tokens_match(model, prompt: list[int], got: list[int], label: str) ->
     one = forced(model, [prompt], want)[0]
     n = compared_steps(one, noise_floor(model, prompt, want, one))
     assert got[:n] == want[:n], f"{label}: {got} vs mlx-lm {want} (compared {n} steps)"
-
-
-def rope_floor(rope_module, head_dim: int, n_positions: int, chunk: int | None = None) -> float:
-    """The largest error of the model's own rope module on this device relative to its input's
-    magnitude (|error| / max|x|), against a float64 NumPy rotation, over positions 0..n_positions-1
-    of a random float32 row per position, called as mlx-lm calls it: on chunks of `chunk` rows at
-    offset = the chunk's first position (default: one call at offset 0). On the H200 the error
-    depends on the offset (mx.fast.rope's angles for offset 128/256 differ from the kernels' fp32
-    angles by up to ~5e-4 of the value), so the probe makes the same calls as the rows compared."""
-    from registry.rope import normalize_rope
-    from tests._oracle import rotate_numpy
-
-    x = np.random.default_rng(0).standard_normal((n_positions, 2, head_dim)).astype(np.float32)
-    want = rotate_numpy(x, np.arange(n_positions), normalize_rope(rope_module))
-    step = chunk or n_positions
-    err = 0.0
-    for start in range(0, n_positions, step):
-        # [tokens, heads, D] memory seen as [1, heads, tokens, D], the strided view mlx-lm's attention passes.
-        part = mx.array(x[start:start + step])[None].transpose(0, 2, 1, 3)
-        got = rope_module(part, offset=start)[0].transpose(1, 0, 2)
-        err = max(err, float(np.abs(np.array(got.astype(mx.float32)) - want[start:start + step]).max()))
-    return err / float(np.abs(x).max())
