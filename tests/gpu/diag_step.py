@@ -4,9 +4,14 @@ device: building the step's graph in Python, queueing it (mx.async_eval: MLX's e
 whole pipelined step; plus the launcher's counters (copies and syncs must stay 0). Sizes from
 benchmarks/e2e.SIZES (random bf16 weights). docs/benchmarks/e2e-root-cause.md.
 
-    PYTHONPATH=. python3 tests/gpu/diag_step.py [--sizes llama-1b,llama-8b] [--steps 64]
+    PYTHONPATH=. python3 tests/gpu/diag_step.py [--sizes llama-1b,llama-8b] [--steps 64] [--profile N]
+
+--profile N: afterwards, cProfile N steps' graph building with each cache and print the N functions
+with the most own time.
 """
 import argparse
+import cProfile
+import pstats
 import time
 
 import mlx.core as mx
@@ -18,6 +23,7 @@ from registry.integrations.mlx_lm import make_own_cache, make_prompt_cache
 p = argparse.ArgumentParser()
 p.add_argument("--sizes", default="llama-1b,llama-8b")
 p.add_argument("--steps", type=int, default=64)
+p.add_argument("--profile", type=int, default=0)
 args = p.parse_args()
 
 
@@ -51,3 +57,17 @@ for name in args.sizes.split(","):
             print(f"{name} round {rnd} {label:12s} step {1e3 * median(step):6.3f} ms ({1 / median(step):6.1f} tok/s)  "
                   f"build {1e3 * median(build):6.3f} ms ({1e6 * median(build) / layers:5.1f} us/layer)  "
                   f"queue {1e3 * median(queue):6.3f} ms  copies {st['copies']} syncs {st['syncs']}", flush=True)
+    if args.profile:
+        for label, make in (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache)):
+            cache = make(model)
+            y = mx.argmax(model(mx.array([[1] * 128]), cache=cache)[:, -1], axis=-1)
+            mx.eval(y)
+            prof = cProfile.Profile()
+            for _ in range(args.profile):
+                prof.enable()
+                nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+                prof.disable()
+                mx.eval(nxt)
+                y = nxt
+            print(f"{name} {label}: graph building of {args.profile} steps, by own time")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
