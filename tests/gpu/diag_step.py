@@ -8,6 +8,11 @@ benchmarks/e2e.SIZES (random bf16 weights). docs/benchmarks/e2e-root-cause.md.
 
 --profile N: afterwards, cProfile N steps' graph building with each cache and print the N functions
 with the most own time.
+--build-only: time only the graph building of each step (the step is evaluated before the next one
+is built), on any device, e.g. this CPU box: `--sizes tiny-llama --layers 16 --build-only
+--profile 30`. Where
+mx.fast.rope builds its fallback graph in Python (the CPU), stock mlx-lm's figure includes it, so
+compare the fused cache's us/layer before and after a change rather than the two modes.
 """
 import argparse
 import cProfile
@@ -24,6 +29,9 @@ p = argparse.ArgumentParser()
 p.add_argument("--sizes", default="llama-1b,llama-8b")
 p.add_argument("--steps", type=int, default=64)
 p.add_argument("--profile", type=int, default=0)
+p.add_argument("--prompt", type=int, default=128)
+p.add_argument("--build-only", action="store_true")
+p.add_argument("--layers", type=int, default=0, help="override the size's layer count")
 args = p.parse_args()
 
 
@@ -32,11 +40,12 @@ def median(xs):
 
 
 for name in args.sizes.split(","):
-    model = random_model(SIZES[name].config, mx.bfloat16)
+    config = dict(SIZES[name].config, **({"num_hidden_layers": args.layers} if args.layers else {}))
+    model = random_model(config, mx.bfloat16)
     for rnd in range(2):
         for label, make in (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache)):
             cache = make(model)
-            y = mx.argmax(model(mx.array([[1] * 128]), cache=cache)[:, -1], axis=-1)
+            y = mx.argmax(model(mx.array([[1] * args.prompt]), cache=cache)[:, -1], axis=-1)
             mx.eval(y)
             native.reset_stats()
             build, queue, step = [], [], []
@@ -45,6 +54,11 @@ for name in args.sizes.split(","):
                 logits = model(y[:, None], cache=cache)[:, -1]
                 nxt = mx.argmax(logits, axis=-1)
                 t1 = time.perf_counter()
+                if args.build_only:
+                    mx.eval(nxt)
+                    build.append(t1 - t0)
+                    y = nxt
+                    continue
                 mx.async_eval(nxt)
                 t2 = time.perf_counter()
                 y.item()
@@ -54,13 +68,18 @@ for name in args.sizes.split(","):
             y.item()
             st = native.stats()
             layers = len(model.layers)
+            if args.build_only:
+                print(f"{name} round {rnd} {label:12s} build {1e3 * median(build):6.3f} ms "
+                      f"({1e6 * median(build) / layers:5.1f} us/layer)  min {1e6 * min(build) / layers:5.1f} us/layer",
+                      flush=True)
+                continue
             print(f"{name} round {rnd} {label:12s} step {1e3 * median(step):6.3f} ms ({1 / median(step):6.1f} tok/s)  "
                   f"build {1e3 * median(build):6.3f} ms ({1e6 * median(build) / layers:5.1f} us/layer)  "
                   f"queue {1e3 * median(queue):6.3f} ms  copies {st['copies']} syncs {st['syncs']}", flush=True)
     if args.profile:
         for label, make in (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache)):
             cache = make(model)
-            y = mx.argmax(model(mx.array([[1] * 128]), cache=cache)[:, -1], axis=-1)
+            y = mx.argmax(model(mx.array([[1] * args.prompt]), cache=cache)[:, -1], axis=-1)
             mx.eval(y)
             prof = cProfile.Profile()
             for _ in range(args.profile):
