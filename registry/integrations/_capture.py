@@ -37,7 +37,7 @@ class DataflowError(ValueError):
     """The attention's q/k data flow does not allow rotating them at the cache write; str(e) says why."""
 
 
-@dataclass
+@dataclass(slots=True)         # slots: built twice per fused layer and forward, read on the hot path
 class RopeCall:
     x: mx.array            # the un-rotated input, [B, H, L, D]
     ph: mx.array           # the placeholder returned to the attention
@@ -62,21 +62,30 @@ class RopeCapture:
 
     def split(self, keys: mx.array, values: mx.array) -> tuple[RopeCall, RopeCall]:
         """(q call, k call) of this forward, or DataflowError."""
-        n = len(self.calls)
-        if n != 2:
-            raise DataflowError(f"the attention calls its rope {n} time{'s' if n != 1 else ''} before "
-                                f"cache.update_and_fetch (expected 2: q and k)")
-        hits = [i for i, c in enumerate(self.calls) if c.ph is keys]
-        if not hits:
-            raise DataflowError("the keys reaching cache.update_and_fetch are not the rope's output (the "
-                                "attention transforms k after RoPE, e.g. a norm or a concat of a rotated slice)")
-        k, q = self.calls[hits[0]], self.calls[1 - hits[0]]
-        qs, ks = q.x.shape, k.x.shape
-        if (q.x.ndim != 4 or k.x.ndim != 4 or qs[0] != ks[0] or qs[2] != ks[2] or qs[3] != ks[3]
-                or tuple(values.shape) != tuple(ks) or ks[1] == 0 or qs[1] % ks[1]):
-            raise DataflowError(f"q {tuple(qs)}, k {tuple(ks)}, v {tuple(values.shape)} are not [B, H, L, D] "
-                                f"tensors of one head_dim with q heads a multiple of k heads")
-        return q, k
+        return split_calls(self.calls, keys, values)
+
+
+def split_calls(calls: list[RopeCall], keys: mx.array, values: mx.array) -> tuple[RopeCall, RopeCall]:
+    """(q call, k call) of a forward's recorded rope calls, or DataflowError: exactly two calls, the
+    keys are one call's placeholder (k; the other is q), [B, H, L, D] tensors of one batch, seq_len
+    and head_dim with q heads a multiple of k heads and v shaped like k."""
+    n = len(calls)
+    if n != 2:
+        raise DataflowError(f"the attention calls its rope {n} time{'s' if n != 1 else ''} before "
+                            f"cache.update_and_fetch (expected 2: q and k)")
+    if calls[1].ph is keys:
+        q, k = calls
+    elif calls[0].ph is keys:
+        k, q = calls
+    else:
+        raise DataflowError("the keys reaching cache.update_and_fetch are not the rope's output (the "
+                            "attention transforms k after RoPE, e.g. a norm or a concat of a rotated slice)")
+    qs, ks, vs = q.x.shape, k.x.shape, values.shape
+    if (len(qs) != 4 or len(ks) != 4 or qs[0] != ks[0] or qs[2] != ks[2] or qs[3] != ks[3]
+            or vs != ks or ks[1] == 0 or qs[1] % ks[1]):
+        raise DataflowError(f"q {tuple(qs)}, k {tuple(ks)}, v {tuple(vs)} are not [B, H, L, D] "
+                            f"tensors of one head_dim with q heads a multiple of k heads")
+    return q, k
 
 
 class CountingRope:
@@ -129,14 +138,14 @@ def _rebinder():
         return rebind
 
 
-_rebind = _rebinder()
+rebind = _rebinder()
 
 
 def resolve(call: RopeCall, value: mx.array) -> None:
     """Give the attention's placeholder its value (the same array object, rebound in place)."""
     if tuple(value.shape) != tuple(call.ph.shape):
         raise DataflowError(f"the value {tuple(value.shape)} for a rope output {tuple(call.ph.shape)} has another shape")
-    _rebind(call.ph, value)
+    rebind(call.ph, value)
 
 
 def resolve_with_module_rope(cap: RopeCapture, keys: mx.array) -> mx.array:

@@ -48,12 +48,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ._capture import DataflowError, RopeCall, RopeCapture, resolve, resolve_with_module_rope
+from ._capture import (DataflowError, RopeCall, RopeCapture, rebind, resolve, resolve_with_module_rope,
+                       split_calls)
 from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, import_mlx_lm_module,
                      kv_cache_path, rope_attr)
 
 _stock = import_mlx_lm_module("cache")
-_SPLIT = RopeCapture(None)    # split() checks a forward's two calls; resolve_with_module_rope needs .rope
 
 
 class _Offset(int):
@@ -83,14 +83,17 @@ class SwitchRope:
     def take(self, cache) -> list:
         """The calls recorded for `cache` since its last write. Any other record (a forward that
         failed before its write) gets the original rope's output, so no placeholder stays NaN."""
+        calls = self.calls
+        self.calls = []
+        self._expected = []
+        if len(calls) == 2 and calls[0][0] is cache and calls[1][0] is cache:   # the common case
+            return [calls[0][1], calls[1][1]]
         mine = []
-        for owner, c in self.calls:
+        for owner, c in calls:
             if owner is cache:
                 mine.append(c)
             else:
                 resolve(c, self.rope(c.x, *c.args, **c.kwargs))
-        self.calls = []
-        self._expected = []
         return mine
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
@@ -108,7 +111,7 @@ class SwitchRope:
                 args = (int(off),) + args[1:]
         if owner is None:
             return self.rope(x, *args, **kwargs)
-        ph = mx.full(x.shape, math.nan, dtype=x.dtype)
+        ph = _placeholder(x)
         self.calls.append((owner, RopeCall(x, ph, args, kwargs)))
         return ph
 
@@ -116,6 +119,22 @@ class SwitchRope:
         if name == "rope":
             raise AttributeError(name)
         return getattr(self.rope, name)
+
+
+_NAN: dict[tuple, mx.array] = {}
+
+
+def _placeholder(x: mx.array) -> mx.array:
+    """A fresh array object shaped like x sharing one lazy NaN array per shape and dtype: cheaper
+    than a new mx.full node per call, and the rebind that resolves it replaces only this object's
+    descriptor, never the shared one."""
+    key = (x.shape, x.dtype)
+    nan = _NAN.get(key)
+    if nan is None:
+        if len(_NAN) > 32:
+            _NAN.clear()
+        nan = _NAN[key] = mx.full(x.shape, math.nan, dtype=x.dtype)
+    return mx.array(nan)
 
 
 @dataclass
@@ -126,6 +145,20 @@ class Fusion:
     switch: SwitchRope
     calls: Counter = field(default_factory=Counter)   # 'fused' | 'rotate_only' | 'stock' (+ last fallback reason)
     fallback: str = ""
+    bound: dict = field(default_factory=dict, repr=False)   # shape/dtype signature -> kernel.bind(...)
+
+    def launch(self, q, k, v, positions, slots, k_pool, v_pool):
+        """The kernel on these arrays through the bound launch of their signature. The key holds
+        every shape and dtype of the kernel's own plan key that the caller has not already fixed:
+        _captured checked v like k and q, k, v of one dtype; slots are [B * L] int32 and positions
+        int32 by construction (_int_index, _batch_index)."""
+        key = (q.shape, k.shape, q.dtype, positions.shape, k_pool.shape, k_pool.dtype, v_pool.shape, v_pool.dtype)
+        bound = self.bound.get(key)
+        if bound is None:
+            if len(self.bound) > 16:
+                self.bound.clear()
+            bound = self.bound[key] = self.kernel.bind(q, k, v, positions, slots, k_pool, v_pool)
+        return bound(q, k, v, positions, slots, k_pool, v_pool)
 
     @property
     def reason(self) -> str:
@@ -183,7 +216,7 @@ class _Fused:
         # Only model code (the attention's rope calls) gets an offset object the switch expects:
         # mlx-lm's cache module (state, size, to_quantized, merge, masks), mlx-lm's generate loop and
         # user code get the plain value, so it cannot leak into another cache.
-        if f is not None and _is_model_code(sys._getframe(1).f_globals.get("__name__", "")):
+        if f is not None and _model_code(sys._getframe(1).f_globals.get("__name__", "")):
             if isinstance(off, int):
                 off = _Offset(off)
             f.switch.expect(off, self)
@@ -214,16 +247,16 @@ class _Fused:
         f = self._fusion
         if f is None:
             return None, keys
-        cap = _SPLIT
-        cap.rope, cap.calls = f.switch.rope, f.switch.take(self)
-        if not cap.calls:
+        calls = f.switch.take(self)
+        if not calls:
             f.calls["stock"] += 1
             return None, keys
         try:
-            q_call, k_call = cap.split(keys, values)
+            q_call, k_call = split_calls(calls, keys, values)
             cur = self.__dict__.get("_fused_off", 0)
             for c in (q_call, k_call):
-                if c.args or set(c.kwargs) != {"offset"} or not _same(c.kwargs["offset"], cur):
+                kw = c.kwargs
+                if c.args or len(kw) != 1 or "offset" not in kw or not _same(kw["offset"], cur):
                     raise DataflowError("the q and k rope calls pass another offset than the cache's, or other "
                                         "arguments than offset=")
             if not q_call.x.dtype == k_call.x.dtype == values.dtype:
@@ -231,9 +264,9 @@ class _Fused:
         except DataflowError as e:
             f.fallback = str(e)
             f.calls["stock"] += 1
+            cap = RopeCapture(f.switch.rope)
+            cap.calls = calls
             return None, resolve_with_module_rope(cap, keys)
-        finally:
-            cap.rope, cap.calls = None, []
         return (q_call, k_call), keys
 
     def _rotate_only(self, calls, values, positions) -> mx.array:
@@ -243,10 +276,10 @@ class _Fused:
         B, Hkv, L, D = k.shape
         kp, vp = _dummy_pools(Hkv, D, k.dtype)
         slots = mx.full((B * L,), -1, dtype=mx.int32)
-        q_rot, k_rot, kp, vp = self._fusion.kernel(q, k, values, positions, slots, kp, vp, check_slots=False)
+        q_rot, k_rot, kp, vp = self._fusion.launch(q, k, values, positions, slots, kp, vp)
         _DUMMY_POOLS[(Hkv, D, k.dtype)] = (kp, vp)          # rebind, as with any in-place output
-        resolve(q_call, q_rot)
-        resolve(k_call, k_rot)
+        rebind(q_call.ph, q_rot)                          # the kernel's q and k have the placeholders' shapes
+        rebind(k_call.ph, k_rot)
         self._fusion.calls["rotate_only"] += 1
         return k_rot
 
@@ -255,10 +288,11 @@ class _Fused:
         kernel reads the attention's [B, H, L, D] views as they are (strided: token t = b * L + l, the
         order of positions and slots) and returns q and k in that shape."""
         q_call, k_call = calls
-        q_rot, k_rot, self.keys, self.values = self._fusion.kernel(
-            q_call.x, k_call.x, values, positions, slots, self.keys, self.values, check_slots=False)
-        resolve(q_call, q_rot)
-        resolve(k_call, k_rot)                    # free unless the attention reads its keys again
+        q_rot, k_rot, self.keys, self.values = self._fusion.launch(
+            q_call.x, k_call.x, values, positions, slots, self.keys, self.values)
+        # The kernel's q and k have the shapes of its inputs, which the placeholders were made like.
+        rebind(q_call.ph, q_rot)
+        rebind(k_call.ph, k_rot)                 # free unless the attention reads its keys again
         self._fusion.calls["fused"] += 1
 
     def _grow(self, rows: int, keys: mx.array, values: mx.array, B: int | None = None) -> None:
@@ -294,8 +328,21 @@ class _Fused:
         return max(excess, 0)
 
 
+_MODEL_MODULES: dict[str, bool] = {}
+
+
 def _is_model_code(module: str) -> bool:
     return module.startswith("mlx_lm.models.") and module != "mlx_lm.models.cache"
+
+
+def _model_code(module: str) -> bool:
+    """_is_model_code, memoised by module name (every offset read of model code asks)."""
+    hit = _MODEL_MODULES.get(module)
+    if hit is None:
+        if len(_MODEL_MODULES) > 1024:
+            _MODEL_MODULES.clear()
+        hit = _MODEL_MODULES[module] = _is_model_code(module)
+    return hit
 
 
 def _same(off, cur) -> bool:

@@ -5,7 +5,9 @@ math, launch geometry and scalars (docs/manifest.md, "Adding a kernel").
   - the native-or-reference choice and its reason (`build(spec, ctx)`: registry.native's one
     lifecycle, find -> verify -> load, else the reference path and why);
   - the plan cache: full validation and the packed launch (scalars, geometry, entry) once per shape
-    and dtype signature, then one dict lookup and one extension call per call;
+    and dtype signature, then one dict lookup and one extension call per call; `bind(*args)` hands
+    out that signature's launch as a callable (the extension call alone) for integrations that
+    know their shapes have not changed;
   - the slot check (`check_slots=True`): slots in range, no duplicate valid slot, positions in
     [0, 2^24] when the kernel takes positions, all in one host sync;
   - the functional entry (`functional`), which builds the kernel for the default device through a
@@ -311,13 +313,14 @@ class PoolKernel:
         shapes = [a.shape for a in self.launch_arrays(*args)]
         return self._launcher.plan(key, scalars, grid=grid, threadgroup=group, input_shapes=shapes)
 
-    def __call__(self, *args, check_slots: bool = True):
+    def _plan(self, args: tuple) -> Any:
+        """The plan of args' shape/dtype signature: validated and made on first sight, then one dict
+        lookup."""
         if len(args) != len(self.ARGS):
             raise KernelArgumentError(f"{self.NAME}: expected {len(self.ARGS)} arguments ({', '.join(self.ARGS)}), "
                                       f"got {len(args)}")
-        # Hot path: one dict lookup on the shape/dtype signature, then one extension call.
         try:
-            key = tuple((a.shape, a.dtype) for a in args)
+            key = tuple([(a.shape, a.dtype) for a in args])   # a list comprehension: cheaper than a genexpr
         except AttributeError:
             key = None
         plan = self._plans.get(key)
@@ -326,6 +329,10 @@ class PoolKernel:
             if len(self._plans) > _MAX_PLANS:
                 self._plans.clear()
             self._plans[key] = plan
+        return plan
+
+    def __call__(self, *args, check_slots: bool = True):
+        plan = self._plan(args)
         if check_slots:
             pool = PoolGeometry(args[self._pool_arg])
             check_slot_values(self.NAME, args[self._slot_arg], pool.size,
@@ -333,6 +340,22 @@ class PoolKernel:
         if plan is _REFERENCE:
             return self.reference(*args)
         return tuple(self._launch(self._binary, plan, self.launch_arrays(*args), self.device))
+
+    def bind(self, *args) -> Any:
+        """The launch of args' shape/dtype signature as a callable `(*ARGS) -> outputs` (a sequence),
+        validated here once, for an integration that knows its calls keep these shapes and dtypes:
+        each call is then the extension call alone (no signature key, no lookup). It runs as
+        check_slots=False. Pass arrays of exactly the bound shapes and dtypes: the native launcher
+        refuses others (the plan carries its input shapes and buffer dtypes), the reference path
+        does not check them."""
+        plan = self._plan(args)
+        if plan is _REFERENCE:
+            return self.reference
+        launch, binary, arrays, device = self._launch, self._binary, self.launch_arrays, self.device
+
+        def bound(*a):
+            return launch(binary, plan, arrays(*a), device)
+        return bound
 
     @classmethod
     def build(cls, spec, ctx: SelectionContext) -> "PoolKernel":
