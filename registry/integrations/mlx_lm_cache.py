@@ -216,7 +216,13 @@ class _Fused:
         # Only model code (the attention's rope calls) gets an offset object the switch expects:
         # mlx-lm's cache module (state, size, to_quantized, merge, masks), mlx-lm's generate loop and
         # user code get the plain value, so it cannot leak into another cache.
-        if f is not None and _model_code(sys._getframe(1).f_globals.get("__name__", "")):
+        if f is None:
+            return off
+        module = sys._getframe(1).f_globals.get("__name__", "")
+        model_code = _MODEL_MODULES.get(module)          # the memo's hit inline: two reads per layer
+        if model_code is None:
+            model_code = _model_code(module)
+        if model_code:
             if isinstance(off, int):
                 off = _Offset(off)
             f.switch.expect(off, self)
@@ -365,9 +371,9 @@ class KVCache(_Fused, _stock.KVCache):
         calls, keys = self._captured(keys, values)
         if calls is None:
             return super().update_and_fetch(keys, values)
-        prev, L = self.__dict__["_fused_off"], keys.shape[2]
+        prev, (B, _, L, _) = self.__dict__["_fused_off"], keys.shape
         self._room(prev, keys, values)
-        B, S = keys.shape[0], self.keys.shape[2]
+        S = self.keys.shape[2]
         self._write(calls, values, *_int_index(prev, L, B, S, prev))
         n = self.__dict__["_fused_off"] = prev + L
         if n < S:
