@@ -74,12 +74,6 @@ class SwitchRope:
         self._expected: list = []           # (offset object, cache that handed it out)
         self.calls: list = []               # (cache, RopeCall)
 
-    def expect(self, offset, cache) -> None:
-        exp = self._expected
-        exp.append((offset, cache))
-        if len(exp) > 8:
-            del exp[0]
-
     def take(self, cache) -> list:
         """The calls recorded for `cache` since its last write. Any other record (a forward that
         failed before its write) gets the original rope's output, so no placeholder stays NaN."""
@@ -93,32 +87,39 @@ class SwitchRope:
             if owner is cache:
                 mine.append(c)
             else:
+                c = _plain_offsets(c)
                 resolve(c, self.rope(c.x, *c.args, **c.kwargs))
         return mine
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
         off = kwargs.get("offset") if kwargs else (args[0] if args else None)
-        owner = None
         if off is not None:
             for e, cache in self._expected:
                 if off is e:
-                    owner = cache
-                    break
-        if isinstance(off, _Offset):
-            if "offset" in kwargs:
-                kwargs = {**kwargs, "offset": int(off)}
-            else:
-                args = (int(off),) + args[1:]
-        if owner is None:
-            return self.rope(x, *args, **kwargs)
-        ph = _placeholder(x)
-        self.calls.append((owner, RopeCall(x, ph, args, kwargs)))
-        return ph
+                    # Recorded as called (our offset object included: _plain_offsets converts it
+                    # where the original rope replays a record); the placeholder memo's hit inline.
+                    nan = _NAN.get((x.shape, x.dtype))
+                    ph = mx.array(nan) if nan is not None else _placeholder(x)
+                    self.calls.append((cache, RopeCall(x, ph, args, kwargs)))
+                    return ph
+            if isinstance(off, _Offset):     # one of our offsets that no cache expects: a plain int
+                if "offset" in kwargs:
+                    kwargs = {**kwargs, "offset": int(off)}
+                else:
+                    args = (int(off),) + args[1:]
+        return self.rope(x, *args, **kwargs)
 
     def __getattr__(self, name):           # dims, base, ... of the original rope
         if name == "rope":
             raise AttributeError(name)
         return getattr(self.rope, name)
+
+
+def _plain_offsets(c: RopeCall) -> RopeCall:
+    """A record with our offset objects as plain ints, for the original rope to replay it."""
+    c.args = tuple(int(a) if isinstance(a, _Offset) else a for a in c.args)
+    c.kwargs = {k: int(a) if isinstance(a, _Offset) else a for k, a in c.kwargs.items()}
+    return c
 
 
 _NAN: dict[tuple, mx.array] = {}
@@ -225,7 +226,10 @@ class _Fused:
         if model_code:
             if isinstance(off, int):
                 off = _Offset(off)
-            f.switch.expect(off, self)
+            exp = f.switch._expected                     # the switch expects it for this cache
+            exp.append((off, self))
+            if len(exp) > 8:
+                del exp[0]
         return off
 
     @offset.setter
@@ -262,7 +266,10 @@ class _Fused:
             cur = self.__dict__.get("_fused_off", 0)
             for c in (q_call, k_call):
                 kw = c.kwargs
-                if c.args or len(kw) != 1 or "offset" not in kw or not _same(kw["offset"], cur):
+                off = kw.get("offset", kw)
+                # the cache's current offset: ints by value, the batch caches' arrays by identity
+                if c.args or len(kw) != 1 or not (off is cur or (isinstance(off, int) and isinstance(cur, int)
+                                                                 and off == cur)):
                     raise DataflowError("the q and k rope calls pass another offset than the cache's, or other "
                                         "arguments than offset=")
             if not q_call.x.dtype == k_call.x.dtype == values.dtype:
@@ -271,7 +278,7 @@ class _Fused:
             f.fallback = str(e)
             f.calls["stock"] += 1
             cap = RopeCapture(f.switch.rope)
-            cap.calls = calls
+            cap.calls = [_plain_offsets(c) for c in calls]
             return None, resolve_with_module_rope(cap, keys)
         return (q_call, k_call), keys
 
@@ -351,11 +358,6 @@ def _model_code(module: str) -> bool:
     return hit
 
 
-def _same(off, cur) -> bool:
-    """The rope's offset is the cache's current one: ints by value, the batch caches' arrays by identity."""
-    return off is cur or (isinstance(off, int) and isinstance(cur, int) and off == cur)
-
-
 def _steps(n: int, step: int) -> int:
     return (n + step - 1) // step * step
 
@@ -372,12 +374,13 @@ class KVCache(_Fused, _stock.KVCache):
         if calls is None:
             return super().update_and_fetch(keys, values)
         prev, (B, _, L, _) = self.__dict__["_fused_off"], keys.shape
-        self._room(prev, keys, values)
+        if self.keys is None or prev + L > self.keys.shape[2]:
+            self._room(prev, keys, values)
         S = self.keys.shape[2]
         self._write(calls, values, *_int_index(prev, L, B, S, prev))
         n = self.__dict__["_fused_off"] = prev + L
         if n < S:
-            return self.keys[..., :n, :], self.values[..., :n, :]
+            return self.keys[:, :, :n], self.values[:, :, :n]     # [..., :n, :] parses slower (4-D buffers)
         return self.keys, self.values
 
     @classmethod
