@@ -1,6 +1,7 @@
 """PoolKernel.bind (a shape signature's launch as a callable) and the drop-in cache's per-signature
 bound launches: same results as the plain call, validation once at bind time, other shapes refused
-by the native launcher, a new signature (buffer growth, another chunk length) bound anew."""
+by the native launcher, a new signature (buffer growth, another chunk length) bound anew (the
+cache's last native launch refused by the launcher, then the keyed one)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,8 @@ def test_new_signatures_are_bound_anew(native_artifacts):
     f = mc.fused_model(model).fusions[0]
     assert f.calls["fused"] == 12 and not f.calls["stock"]
     assert len({key[4] for key in f.bound}) == 2          # the buffer grew from 256 to 512 rows
+    owner, last = fused[0].__dict__["_bound"]             # the cache's last native launch: the 512-row one
+    assert owner is f and last in f.bound.values() and fused[0].keys.shape[2] == 512
     for a, b in zip(fused, own):
         assert a.offset == b.offset == 260
         np.testing.assert_allclose(np.array(a.state[0]), np.array(b.state[0]), atol=1e-5)
