@@ -86,9 +86,29 @@ def test_new_signatures_are_bound_anew(native_artifacts):
             mx.eval(model(mx.array([chunk]), cache=c))
     f = mc.fused_model(model).fusions[0]
     assert f.calls["fused"] == 12 and not f.calls["stock"]
-    assert len({key[4] for key in f.bound}) == 2          # the buffer grew from 256 to 512 rows
-    owner, last = fused[0].__dict__["_bound"]             # the cache's last native launch: the 512-row one
-    assert owner is f and last in f.bound.values() and fused[0].keys.shape[2] == 512
+    owner, last = fused[0].__dict__["_launch"]          # the cache's own stream of launches
+    assert owner is f and last.kernel is f.kernel and fused[0].keys.shape[2] == 512   # grew from 256
     for a, b in zip(fused, own):
         assert a.offset == b.offset == 260
         np.testing.assert_allclose(np.array(a.state[0]), np.array(b.state[0]), atol=1e-5)
+
+
+def test_last_bound_rebinds_on_a_new_signature(native_artifacts):
+    kernel = _native(RopeConfig(64))
+    call = kernel.last_bound()
+    prefill = make_case(4, 4, 2, 64, 16, "float32", [3, 0, 7, 9])
+    decode = make_case(1, 4, 2, 64, 16, "float32", [5], seed=1)
+    for case in (prefill, decode, prefill):
+        _same(call(*case), kernel(*case, check_slots=False))
+    assert len(kernel._plans) == 2
+    with pytest.raises(KernelArgumentError, match="positions must be int32"):
+        call(*prefill[:3], prefill[3].astype(mx.int64), *prefill[4:])      # refused, then validated
+
+
+def test_last_bound_of_a_reference_kernel_validates_every_signature():
+    kernel = RopePoolFusedKernel(RopeConfig(64), backend="cpu")
+    call = kernel.last_bound()
+    case = make_case(4, 4, 2, 64, 16, "float32", [3, 0, 7, 9])
+    _same(call(*case), kernel.reference(*case))
+    with pytest.raises(KernelArgumentError, match="positions must be int32"):
+        call(*case[:3], case[3].astype(mx.int64), *case[4:])

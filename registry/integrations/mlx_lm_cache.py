@@ -146,24 +146,6 @@ class Fusion:
     switch: SwitchRope
     calls: Counter = field(default_factory=Counter)   # 'fused' | 'rotate_only' | 'stock' (+ last fallback reason)
     fallback: str = ""
-    bound: dict = field(default_factory=dict, repr=False)   # shape/dtype signature -> kernel.bind(...)
-
-    def bound_for(self, q, k, v, positions, slots, k_pool, v_pool):
-        """The kernel's bound launch for these arrays' signature. The key holds every shape and dtype
-        of the kernel's own plan key that the caller has not already fixed: _captured checked v like
-        k and q, k, v of one dtype; slots are [B * L] int32 and positions int32 by construction
-        (_int_index, _batch_index)."""
-        key = (q.shape, k.shape, q.dtype, positions.shape, k_pool.shape, k_pool.dtype, v_pool.shape, v_pool.dtype)
-        bound = self.bound.get(key)
-        if bound is None:
-            if len(self.bound) > 16:
-                self.bound.clear()
-            bound = self.bound[key] = self.kernel.bind(q, k, v, positions, slots, k_pool, v_pool)
-        return bound
-
-    def launch(self, *args):
-        return self.bound_for(*args)(*args)
-
     @property
     def reason(self) -> str:
         k = self.kernel
@@ -251,7 +233,8 @@ class _Fused:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            new.__dict__[k] = v if k in ("_fusion", "_bound") else copy.deepcopy(v, memo)
+            if k != "_launch":                # the copy starts its own stream of launches
+                new.__dict__[k] = v if k == "_fusion" else copy.deepcopy(v, memo)
         return new
 
     def _captured(self, keys: mx.array, values: mx.array):
@@ -292,7 +275,7 @@ class _Fused:
         B, Hkv, L, D = k.shape
         kp, vp = _dummy_pools(Hkv, D, k.dtype)
         slots = mx.full((B * L,), -1, dtype=mx.int32)
-        q_rot, k_rot, kp, vp = self._fusion.launch(q, k, values, positions, slots, kp, vp)
+        q_rot, k_rot, kp, vp = self._fusion.kernel(q, k, values, positions, slots, kp, vp, check_slots=False)
         _DUMMY_POOLS[(Hkv, D, k.dtype)] = (kp, vp)          # rebind, as with any in-place output
         rebind(q_call.ph, q_rot)                          # the kernel's q and k have the placeholders' shapes
         rebind(k_call.ph, k_rot)
@@ -305,24 +288,13 @@ class _Fused:
         order of positions and slots) and returns q and k in that shape."""
         q_call, k_call = calls
         f = self._fusion
-        args = (q_call.x, k_call.x, values, positions, slots, self.keys, self.values)
-        # This cache's last native launch, tried first: its plan refuses other shapes and dtypes than
-        # its own (the launcher checks them, raising before it builds anything), so only a new
-        # signature (buffer growth, another chunk length) pays the key. A reference kernel checks
-        # nothing: it always takes the key.
-        last = self.__dict__.get("_bound")
-        out = None
-        if last is not None and last[0] is f:
-            try:
-                out = last[1](*args)
-            except ValueError:
-                out = None
-        if out is None:
-            bound = f.bound_for(*args)
-            out = bound(*args)
-            if f.kernel.implementation != "reference":
-                self.__dict__["_bound"] = (f, bound)
-        q_rot, k_rot, self.keys, self.values = out
+        # This cache's own stream of launches (kernel.last_bound): steady decode calls launch the last
+        # signature's plan directly, the launcher refusing any other shapes or dtypes.
+        last = self.__dict__.get("_launch")
+        if last is None or last[0] is not f:
+            last = self.__dict__["_launch"] = (f, f.kernel.last_bound())
+        q_rot, k_rot, self.keys, self.values = last[1](q_call.x, k_call.x, values, positions, slots, self.keys,
+                                                       self.values)
         # The kernel's q and k have the shapes of its inputs, which the placeholders were made like.
         rebind(q_call.ph, q_rot)
         rebind(k_call.ph, k_rot)                 # free unless the attention reads its keys again

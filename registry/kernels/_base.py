@@ -7,7 +7,8 @@ math, launch geometry and scalars (docs/manifest.md, "Adding a kernel").
   - the plan cache: full validation and the packed launch (scalars, geometry, entry) once per shape
     and dtype signature, then one dict lookup and one extension call per call; `bind(*args)` hands
     out that signature's launch as a callable (the extension call alone) for integrations that
-    know their shapes have not changed;
+    know their shapes have not changed, `last_bound()` one that rebinds when the launcher refuses
+    a new signature;
   - the slot check (`check_slots=True`): slots in range, no duplicate valid slot, positions in
     [0, 2^24] when the kernel takes positions, all in one host sync;
   - the functional entry (`functional`), which builds the kernel for the default device through a
@@ -357,6 +358,16 @@ class PoolKernel:
             return launch(binary, plan, arrays(*a), device)
         return bound
 
+    def last_bound(self) -> Any:
+        """A callable `(*ARGS) -> outputs` (as check_slots=False) for one caller's stream of calls:
+        it launches through the bound plan of the last signature it saw and binds anew when the native
+        launcher refuses the arrays (other shapes or dtypes: the refusal comes before anything is
+        built), so steady calls skip even the signature key. A reference kernel has no launcher to
+        refuse: its callable is the plain call, validated per signature as always."""
+        if self._launcher is None:
+            return functools.partial(self.__call__, check_slots=False)
+        return _LastBound(self)
+
     @classmethod
     def build(cls, spec, ctx: SelectionContext) -> "PoolKernel":
         """Registry hook (kernels.yaml `wrapper`): native when the artifact for ctx.backend is present
@@ -375,6 +386,24 @@ class PoolKernel:
         check_arrays(cls.NAME, dict(zip(cls.ARGS, args)))
         cls(config, backend="cpu").validate(*args)
         return _default_kernel(cls, config, backend_of())(*args, check_slots=check_slots)
+
+
+class _LastBound:
+    """PoolKernel.last_bound's callable for a native kernel."""
+
+    __slots__ = ("kernel", "bound")
+
+    def __init__(self, kernel: PoolKernel):
+        self.kernel, self.bound = kernel, None
+
+    def __call__(self, *args):
+        if self.bound is not None:
+            try:
+                return self.bound(*args)
+            except ValueError:             # the plan's shapes or dtypes differ: a new signature
+                pass
+        self.bound = self.kernel.bind(*args)
+        return self.bound(*args)
 
 
 @functools.lru_cache(maxsize=64)
