@@ -13,6 +13,10 @@ other processes of a shared host; the step is evaluated before the next one is b
 device, e.g. this CPU box: `--sizes tiny-llama --layers 16 --build-only --profile 30`. Where
 mx.fast.rope builds its fallback graph in Python (the CPU), stock mlx-lm's figure includes it, so
 compare the fused cache's us/layer before and after a change rather than the two modes.
+--section N: afterwards, time N x 50 runs of one layer's cache section as model code runs it (two
+`cache.offset` reads, two rope calls, update_and_fetch) with each cache, on layer 0's own q/k/v
+shapes, in this thread's CPU time (min and median per run): the part of a layer the two modes do
+differently (the rope is mx.fast.rope's fallback graph on the CPU, as above).
 """
 import argparse
 import cProfile
@@ -32,11 +36,38 @@ p.add_argument("--profile", type=int, default=0)
 p.add_argument("--prompt", type=int, default=128)
 p.add_argument("--build-only", action="store_true")
 p.add_argument("--layers", type=int, default=0, help="override the size's layer count")
+p.add_argument("--section", type=int, default=0)
 args = p.parse_args()
 
 
 def median(xs):
     return sorted(xs)[len(xs) // 2]
+
+
+# The section as attention code runs it: only model code gets the offsets the fused cache captures.
+_SECTION = {"__name__": "mlx_lm.models.diag_step_section"}
+exec("""
+def section(rope, cache, q, k, v):
+    q = rope(q, offset=cache.offset)
+    k = rope(k, offset=cache.offset)
+    return q, cache.update_and_fetch(k, v)
+""", _SECTION)
+
+
+def time_section(model, make, runs):
+    attn, cache = model.model.layers[0].self_attn, make(model)[0]
+    B, H, Hkv, D = 1, attn.n_heads, attn.n_kv_heads, model.args.hidden_size // attn.n_heads
+    D = getattr(model.args, "head_dim", None) or D
+    q, k, v = (mx.random.normal((B, h, 1, D)).astype(mx.bfloat16) for h in (H, Hkv, Hkv))
+    mx.eval(q, k, v)
+    per_call = []
+    for _ in range(runs):
+        t0 = time.thread_time()
+        for _ in range(50):
+            _SECTION["section"](attn.rope, cache, q, k, v)   # results dropped: no reader holds the buffer
+        per_call.append((time.thread_time() - t0) / 50)
+        mx.eval(cache.keys, cache.values)
+    return min(per_call), median(per_call)
 
 
 for name in args.sizes.split(","):
@@ -92,3 +123,9 @@ for name in args.sizes.split(","):
                 y = nxt
             print(f"{name} {label}: graph building of {args.profile} steps, by own time")
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+    if args.section:
+        for rnd in range(2):
+            for label, make in (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache)):
+                lo, mid = time_section(model, make, args.section)
+                print(f"{name} round {rnd} {label:12s} cache section min {1e6 * lo:6.2f} us  median {1e6 * mid:6.2f} us",
+                      flush=True)
