@@ -146,6 +146,7 @@ class Fusion:
     switch: SwitchRope
     calls: Counter = field(default_factory=Counter)   # 'fused' | 'rotate_only' | 'stock' (+ last fallback reason)
     fallback: str = ""
+
     @property
     def reason(self) -> str:
         k = self.kernel
