@@ -1,7 +1,7 @@
-"""PoolKernel.bind (a shape signature's launch as a callable) and the drop-in cache's per-signature
-bound launches: same results as the plain call, validation once at bind time, other shapes refused
-by the native launcher, a new signature (buffer growth, another chunk length) bound anew (the
-cache's last native launch refused by the launcher, then the keyed one)."""
+"""PoolKernel.bind (a shape signature's launch as a callable) and last_bound (a caller's stream of
+launches), as the drop-in cache uses them: same results as the plain call, validation once per
+signature, other shapes and dtypes refused by the native launcher and then bound anew (buffer
+growth, another chunk length); placeholders and the model-code memo of the cache's hot path."""
 
 from __future__ import annotations
 
@@ -9,24 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from registry import KernelArgumentError, KernelRegistry
-from registry.core import SelectionContext, backend_of
+from registry import KernelArgumentError
 from registry.integrations import mlx_lm_cache as mc
 from registry.integrations.coverage import ARCHS
 from registry.integrations.mlx_lm import build_model, make_prompt_cache
-from registry.kernels.rope_pool_fused import RopePoolFusedKernel, build
+from registry.kernels.rope_pool_fused import RopePoolFusedKernel
 from registry.rope import RopeConfig
 from tests.rope_cases import make_case
-
-SPEC = KernelRegistry.from_yaml().manifest.kernel("rope_pool_fused")
-
-
-def _native(rope: RopeConfig):
-    ctx = SelectionContext(attention="mha", rope=rope, rope_error="", n_heads=0, n_kv_heads=0, head_dim=0,
-                           dtype=None, backend=backend_of(None))
-    kernel = build(SPEC, ctx)
-    assert kernel.implementation == f"native-{ctx.backend}", kernel.reason
-    return kernel
+from tests.test_native_rope_pool_fused import native_kernel
 
 
 def _same(got, want):
@@ -36,7 +26,7 @@ def _same(got, want):
 
 
 def test_bound_native_launch_matches_the_call_and_refuses_other_shapes(native_artifacts):
-    kernel = _native(RopeConfig(64))
+    kernel = native_kernel(RopeConfig(64))
     case = make_case(4, 4, 2, 64, 16, "float32", [3, 0, 7, 9])
     want = kernel(*case)
     bound = kernel.bind(*case)
@@ -94,7 +84,7 @@ def test_new_signatures_are_bound_anew(native_artifacts):
 
 
 def test_last_bound_rebinds_on_a_new_signature(native_artifacts):
-    kernel = _native(RopeConfig(64))
+    kernel = native_kernel(RopeConfig(64))
     call = kernel.last_bound()
     prefill = make_case(4, 4, 2, 64, 16, "float32", [3, 0, 7, 9])
     decode = make_case(1, 4, 2, 64, 16, "float32", [5], seed=1)
