@@ -16,7 +16,9 @@ import time
 
 import mlx.core as mx
 
-from benchmarks.e2e import SIZES, random_model
+import contextlib
+
+from benchmarks.e2e import SIZES, plain_ropes, random_model
 from registry import native
 from registry.integrations.mlx_lm import make_own_cache, make_prompt_cache
 
@@ -31,43 +33,61 @@ def median(xs):
     return sorted(xs)[len(xs) // 2]
 
 
+def stock_as_shipped(label, model):
+    """mlx_lm: the drop-in cache's rope switches taken out (benchmarks.e2e.plain_ropes)."""
+    return plain_ropes(model) if label == "mlx_lm" else contextlib.nullcontext()
+
+
+def prefilled(model, make):
+    cache = make(model)
+    y = mx.argmax(model(mx.array([[1] * 128]), cache=cache)[:, -1], axis=-1)
+    mx.eval(y)
+    return cache, y
+
+
+def measure(name, rnd, label, model, make):
+    cache, y = prefilled(model, make)
+    native.reset_stats()
+    build, queue, step = [], [], []
+    for _ in range(args.steps):          # generate_step's pattern: queue n+1, then read n
+        t0 = time.perf_counter()
+        logits = model(y[:, None], cache=cache)[:, -1]
+        nxt = mx.argmax(logits, axis=-1)
+        t1 = time.perf_counter()
+        mx.async_eval(nxt)
+        t2 = time.perf_counter()
+        y.item()
+        t3 = time.perf_counter()
+        build.append(t1 - t0), queue.append(t2 - t1), step.append(t3 - t0)
+        y = nxt
+    y.item()
+    st = native.stats()
+    layers = len(model.layers)
+    print(f"{name} round {rnd} {label:12s} step {1e3 * median(step):6.3f} ms ({1 / median(step):6.1f} tok/s)  "
+          f"build {1e3 * median(build):6.3f} ms ({1e6 * median(build) / layers:5.1f} us/layer)  "
+          f"queue {1e3 * median(queue):6.3f} ms  copies {st['copies']} syncs {st['syncs']}", flush=True)
+
+
+def profile(name, label, model, make):
+    cache, y = prefilled(model, make)
+    prof = cProfile.Profile()
+    for _ in range(args.profile):
+        prof.enable()
+        nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        prof.disable()
+        mx.eval(nxt)
+        y = nxt
+    print(f"{name} {label}: graph building of {args.profile} steps, by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+
+
+CACHES = (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache))
 for name in args.sizes.split(","):
     model = random_model(SIZES[name].config, mx.bfloat16)
     for rnd in range(2):
-        for label, make in (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache)):
-            cache = make(model)
-            y = mx.argmax(model(mx.array([[1] * 128]), cache=cache)[:, -1], axis=-1)
-            mx.eval(y)
-            native.reset_stats()
-            build, queue, step = [], [], []
-            for _ in range(args.steps):          # generate_step's pattern: queue n+1, then read n
-                t0 = time.perf_counter()
-                logits = model(y[:, None], cache=cache)[:, -1]
-                nxt = mx.argmax(logits, axis=-1)
-                t1 = time.perf_counter()
-                mx.async_eval(nxt)
-                t2 = time.perf_counter()
-                y.item()
-                t3 = time.perf_counter()
-                build.append(t1 - t0), queue.append(t2 - t1), step.append(t3 - t0)
-                y = nxt
-            y.item()
-            st = native.stats()
-            layers = len(model.layers)
-            print(f"{name} round {rnd} {label:12s} step {1e3 * median(step):6.3f} ms ({1 / median(step):6.1f} tok/s)  "
-                  f"build {1e3 * median(build):6.3f} ms ({1e6 * median(build) / layers:5.1f} us/layer)  "
-                  f"queue {1e3 * median(queue):6.3f} ms  copies {st['copies']} syncs {st['syncs']}", flush=True)
-    if args.profile:
-        for label, make in (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache)):
-            cache = make(model)
-            y = mx.argmax(model(mx.array([[1] * 128]), cache=cache)[:, -1], axis=-1)
-            mx.eval(y)
-            prof = cProfile.Profile()
-            for _ in range(args.profile):
-                prof.enable()
-                nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
-                prof.disable()
-                mx.eval(nxt)
-                y = nxt
-            print(f"{name} {label}: graph building of {args.profile} steps, by own time")
-            pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+        for label, make in CACHES:
+            with stock_as_shipped(label, model):
+                measure(name, rnd, label, model, make)
+    for label, make in CACHES if args.profile else ():
+        with stock_as_shipped(label, model):
+            profile(name, label, model, make)
