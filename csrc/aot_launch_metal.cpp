@@ -90,12 +90,8 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   }
   // Then one int32[4] per strided buffer, in buffer order (the kernel's `constant int4&`): the
   // element strides of the array as bound, known only now for a lazy input (docs/kernel-abi.md).
-  for (int b = 0; b < n_buffers; ++b) {
-    if (!bin_->strided[b]) continue;
-    const mx::array& a = output_of[b] >= 0 ? outputs[output_of[b]] : inputs[input_of[b]];
-    const std::array<int32_t, 4> strides = kernel_strides(a, args_.entry, b);
-    enc.set_bytes(strides.data(), 4, slot++);  // 16 bytes
-  }
+  const std::vector<int32_t> strides = launch_strides(*bin_, args_.entry, inputs, outputs);
+  for (size_t i = 0; i < strides.size(); i += 4) enc.set_bytes(strides.data() + i, 4, slot++);  // 16 bytes
   if (args_.grid[0] == 0 || args_.grid[1] == 0 || args_.grid[2] == 0) return;
   enc.dispatch_threads(MTL::Size(args_.grid[0], args_.grid[1], args_.grid[2]),
                        MTL::Size(args_.group[0], args_.group[1], args_.group[2]));

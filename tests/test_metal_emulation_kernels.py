@@ -209,8 +209,8 @@ def test_strided_views_match_rows_and_the_reference(rope_lib, kv_lib, qkn_lib, n
 
     lib = {"rope_pool_fused": rope_lib, "kv_pool_store": kv_lib, "qk_norm_rope_pool_fused": qkn_lib}[name]
     kernel = strided_kernel(name, lib, seed=seq_len)
-    qkv, pos, slots, pools, weights = case(name, dtype, pool_dtype, head_major, seq_len, seed=len(kind))
-    acts = [views(x, x.shape[2], kind) for x in qkv]
+    qkv, pos, slots, pools, weights = case(dtype, pool_dtype, head_major, seq_len, seed=len(kind))
+    acts = [views(x, kind) for x in qkv]
     rows = [mx.contiguous(to_rows(a)) for a in acts]
     got = call(name, kernel, acts, pos, slots, pools, weights)
     want = call(name, kernel, rows, pos, slots, pools, weights)
@@ -239,9 +239,9 @@ def test_strided_parity_catches_a_misread_stride(emu_cache, name, old, new):
 
     source = SOURCES[name]
     lib = compile_source(mutated(emu_cache, old, new, source=source), emu_cache, include_dirs=[source.parent])
-    qkv, pos, slots, pools, weights = case(name, "float32", "float32", False, 3, seed=1)
+    qkv, pos, slots, pools, weights = case("float32", "float32", False, 3, seed=1)
     kernel = strided_kernel(name, lib)
-    acts = [views(x, x.shape[2], "features-strided") for x in qkv]
+    acts = [views(x, "features-strided") for x in qkv]
     with pytest.raises((AssertionError, SanitizerError)):
         got = call(name, kernel, acts, pos, slots, pools, weights)
         want = call(name, kernel, [mx.contiguous(to_rows(a)) for a in acts], pos, slots, pools, weights)
@@ -256,7 +256,7 @@ def test_a_read_past_a_view_is_caught(emu_cache):
 
     lib = compile_source(mutated(emu_cache, "long(t % L) * s.z + long(d) * s.w", "long(t % L) * s.z + long(d + 1) * s.w",
                                  source=KV_SOURCE), emu_cache, include_dirs=[KV_SOURCE.parent])
-    qkv, pos, slots, pools, weights = case("kv_pool_store", "float32", "float32", False, 3, seed=2)
-    acts = [views(x, x.shape[2], "transposed") for x in qkv]
+    qkv, pos, slots, pools, weights = case("float32", "float32", False, 3, seed=2)
+    acts = [views(x, "transposed") for x in qkv]
     with pytest.raises(SanitizerError, match=r"READ of 4 bytes at byte \d+ of buffer\([01]\) [kv] "):
         call("kv_pool_store", strided_kernel("kv_pool_store", lib), acts, pos, slots, pools, weights)

@@ -433,23 +433,26 @@ def test_planted_swapped_function_constants_fail(probe, emu_cache, cache_dir):
         check_against_source(run_launcher(probe, ROPE, dtype), ROPE, dtype, lib.describe(), lib.source)
 
 
-@pytest.mark.parametrize("good,bad,error", [
-    ("int slot = n_buffers;", "int slot = n_buffers + 1;", r"unbound: \[{n}\], not declared: \[{n2}\]"),
-    ("MTL::DataType::DataTypeFloat : MTL::DataType::DataTypeInt", "MTL::DataType::DataTypeInt : "
+@pytest.mark.parametrize("file,good,bad,error", [
+    ("aot_launch_metal.cpp", "int slot = n_buffers;", "int slot = n_buffers + 1;",
+     r"unbound: \[{n}\], not declared: \[{n2}\]"),
+    ("aot_launch_metal.cpp", "MTL::DataType::DataTypeFloat : MTL::DataType::DataTypeInt", "MTL::DataType::DataTypeInt : "
      "MTL::DataType::DataTypeFloat", r"function_constant\(0\) N_Q_HEADS is int, the launcher passes n_q_heads as float"),
-    ("if (!bin_->strided[b]) continue;", "continue;", r"unbound: \[{s}, {s1}, \d+, \d+, \d+\], not declared: \[\]"),
-    ("output_of[b] >= 0 ? outputs[output_of[b]] : inputs[input_of[b]]", "inputs[0]",
+    # the strides come from launch_strides, which the CPU and CUDA launchers share
+    ("aot_launch.cpp", "if (!bin.strided[b]) continue;", "continue;",
+     r"unbound: \[{s}, {s1}, \d+, \d+, \d+\], not declared: \[\]"),
+    ("aot_launch.cpp", "bin.output_of[b] >= 0 ? outputs[bin.output_of[b]] : inputs[bin.input_of[b]]", "inputs[0]",
      r"k_strides at \[\[buffer\({s1}\)\]\] is \(\d+, 4, \d+, 1\), the array bound at \[\[buffer\(1\)\]\] has strides"),
 ], ids=["scalar-slots-shifted", "constant-types-swapped", "strides-missing", "strides-of-another-buffer"])
-def test_planted_launcher_change_fails(metal_headers, cache_dir, emu_cache, tmp_path, good, bad, error):  # noqa: F811
+def test_planted_launcher_change_fails(metal_headers, cache_dir, emu_cache, tmp_path, file, good, bad, error):  # noqa: F811
     """The launcher's mapping comes from its code, not from a model of it: a planted change in
-    csrc/aot_launch_metal.cpp changes what the probe records, and the check fails."""
+    csrc/ changes what the probe records, and the check fails."""
     for f in toolchain.CSRC.iterdir():
         if f.is_file():
             (tmp_path / f.name).write_bytes(f.read_bytes())
-    source = (tmp_path / "aot_launch_metal.cpp").read_text()
-    assert source.count(good) == 1, f"csrc/aot_launch_metal.cpp no longer contains {good!r} once; update the plant"
-    (tmp_path / "aot_launch_metal.cpp").write_text(source.replace(good, bad))
+    source = (tmp_path / file).read_text()
+    assert source.count(good) == 1, f"csrc/{file} no longer contains {good!r} once; update the plant"
+    (tmp_path / file).write_text(source.replace(good, bad))
     planted = toolchain.build_probe(cache_dir, metal_headers, launcher_dir=tmp_path)
     dtype = next(iter(ROPE.entries))
     lib = compile_kernel(ROPE, emu_cache)

@@ -154,9 +154,13 @@ def test_growth_by_256_and_chunked_prefill(native_artifacts):
     ref = stock.make_prompt_cache(model)
     run(model, ref, prompt, prefill_step_size=128)
     # The same fused cache on the reference path (the kernels' own fp32 angles in pure MLX) on a
-    # second copy of the model. Its cos/sin are MLX's element-wise ops, which on the H200 err by up to
-    # ~2e-4 at angles of a few hundred radians (rows from position 115 on differed by up to 5.7e-4),
-    # while the kernels call sincosf: the bound is MLX's own trig error at these angles on this device.
+    # second copy of the model. Only the first layer sees bit-identical inputs on both paths: its key
+    # rows must agree to the round-off of the kernel's fp32 rotation against MLX's cos/sin (bounded by
+    # MLX's own trig error at these angles on this device, measured here). Deeper layers' inputs
+    # differ by the earlier layers' round-off, which grows through attention and, on the H200, the
+    # TF32 fp32 matmuls (tests/gpu/diag_trig.py there: layer 0 keys 2.4e-7 apart, layer 1 keys 5.7e-4
+    # from position 173 on, while the kernel's cos/sin and MLX's both err by 6.9e-8 from float64);
+    # they are held to the rows of stock mlx-lm, and the log-probs above to 1e-4.
     twin = fresh_model("llama")
     from registry.integrations.mlx_lm import build_kernel_sets
     from registry.kernels._rope import inv_freq
@@ -171,15 +175,18 @@ def test_growth_by_256_and_chunked_prefill(native_artifacts):
     a64 = np.array(angles).astype(np.float64)
     trig = max(float(np.abs(np.array(mx.cos(angles)) - np.cos(a64)).max()),
                float(np.abs(np.array(mx.sin(angles)) - np.sin(a64)).max()))
-    for ours, same, theirs in zip(cache, exact, ref):
+    for layer, (ours, same, theirs) in enumerate(zip(cache, exact, ref)):
         assert ours.keys.shape == theirs.keys.shape == same.keys.shape and ours.offset == theirs.offset
         n = ours.offset
         mine, twin_rows, stock_rows = (np.array(c.keys[..., :n, :]) for c in (ours, same, theirs))
-        # a rotated pair (x1 c - x2 s, x1 s + x2 c) errs by at most (|x1| + |x2|) x the trig error
-        np.testing.assert_allclose(mine, twin_rows, atol=1e-5 + 2 * trig * float(np.abs(twin_rows).max()), rtol=1e-5,
-                                   err_msg=f"MLX's fp32 cos/sin error at these angles on this device: {trig:.3g}")
-        assert np.abs(mine - stock_rows).max() < 1e-2                         # and the rows are the same rows
-        np.testing.assert_allclose(np.array(ours.values[..., :n, :]), np.array(theirs.values[..., :n, :]), atol=1e-5)
+        mine_v, stock_v = (np.array(c.values[..., :n, :]) for c in (ours, theirs))
+        if layer == 0:
+            # a rotated pair (x1 c - x2 s, x1 s + x2 c) errs by at most (|x1| + |x2|) x the trig error
+            np.testing.assert_allclose(mine, twin_rows, atol=1e-5 + 2 * trig * float(np.abs(twin_rows).max()),
+                                       rtol=1e-5, err_msg=f"MLX's fp32 cos/sin error at these angles here: {trig:.3g}")
+            np.testing.assert_array_equal(mine_v, stock_v)          # the same v_proj rows, stored as they are
+        assert np.abs(mine - stock_rows).max() < 1e-2, layer              # and the rows are the same rows
+        assert np.abs(mine_v - stock_v).max() < 1e-2, layer
 
 
 def test_max_kv_size_rotating_cache_with_keep(native_artifacts):

@@ -51,8 +51,8 @@ def rng_array(rng, shape, dtype):
     return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(MX_DTYPES[dtype])
 
 
-def views(x_bl: mx.array, heads: int, kind: str) -> mx.array:
-    """A [B, H, L, D] view of kind `kind` whose values are x_bl [B, L, heads, D] transposed."""
+def views(x_bl: mx.array, kind: str) -> mx.array:
+    """A [B, H, L, D] view of kind `kind` whose values are x_bl [B, L, H, D] transposed."""
     if kind == "transposed":          # the attention's own: proj.reshape(B, L, H, D).transpose(0, 2, 1, 3)
         return x_bl.transpose(0, 2, 1, 3)
     if kind == "contiguous":
@@ -70,7 +70,7 @@ def views(x_bl: mx.array, heads: int, kind: str) -> mx.array:
 KINDS = ["transposed", "contiguous", "sliced", "features-strided", "reversed"]
 
 
-def case(name: str, dtype: str, pool_dtype: str, head_major: bool, seq_len: int, seed: int):
+def case(dtype: str, pool_dtype: str, head_major: bool, seq_len: int, seed: int):
     rng = np.random.default_rng(seed)
     T = B * seq_len
     qkv = [rng_array(rng, (B, seq_len, h, D), dtype) for h in (HQ, HKV, HKV)]
@@ -100,8 +100,8 @@ def bits(a: mx.array) -> np.ndarray:
 def test_views_give_the_bits_of_contiguous_rows(native_artifacts, kind, dtype, pool_dtype, seq_len):
     for i, (name, kernel, _) in enumerate(kernels()):
         for head_major in (False, True):
-            qkv, pos, slots, pools, weights = case(name, dtype, pool_dtype, head_major, seq_len, seed=i)
-            acts = [views(x, x.shape[2], kind) for x in qkv]
+            qkv, pos, slots, pools, weights = case(dtype, pool_dtype, head_major, seq_len, seed=i)
+            acts = [views(x, kind) for x in qkv]
             rows = [mx.contiguous(to_rows(a)) for a in acts]
             want = call(name, kernel, rows, pos, slots, [mx.array(p) for p in pools], weights)
             got = call(name, kernel, acts, pos, slots, [mx.array(p) for p in pools], weights)
@@ -116,8 +116,8 @@ def test_views_give_the_bits_of_contiguous_rows(native_artifacts, kind, dtype, p
 @pytest.mark.parametrize("kind", ["transposed", "features-strided"])
 def test_reference_takes_the_same_layouts(kind):
     """The fallback path gives the same results for a [B, H, L, D] view as for its token-major rows."""
-    qkv, pos, slots, pools, weights = case("rope_pool_fused", "float32", "float32", False, 3, seed=3)
-    acts = [views(x, x.shape[2], kind) for x in qkv]
+    qkv, pos, slots, pools, weights = case("float32", "float32", False, 3, seed=3)
+    acts = [views(x, kind) for x in qkv]
     got = rope_mod.rope_pool_fused_reference(*acts, pos, slots, *pools, rope=ROPE)
     want = rope_mod.rope_pool_fused_reference(*[to_rows(a) for a in acts], pos, slots, *pools, rope=ROPE)
     for j, (g, w) in enumerate(zip(got, want)):
@@ -134,7 +134,7 @@ def test_a_fused_call_on_lazy_views_is_one_node(native_artifacts):
     """What the strides are for: the attention's lazy [B, H, L, D] views reach the kernel with no
     contiguous copy, reshape or transpose added by the wrapper or the launcher."""
     (name, kernel, _), *_ = kernels()
-    qkv, pos, slots, pools, _ = case(name, "bfloat16", "bfloat16", True, 1, seed=0)
+    qkv, pos, slots, pools, _ = case("bfloat16", "bfloat16", True, 1, seed=0)
     mx.eval(qkv, pools)
     acts = [(x * 2).transpose(0, 2, 1, 3) for x in qkv]          # lazy, as a projection's output is
     q_out, k_out, kp, vp = call(name, kernel, acts, pos, slots, pools, [])
@@ -146,7 +146,7 @@ def test_a_fused_call_on_lazy_views_is_one_node(native_artifacts):
 
 def test_mismatched_layouts_are_clear_errors(native_artifacts):
     (name, kernel, _), *_ = kernels()
-    qkv, pos, slots, pools, _ = case(name, "float32", "float32", False, 3, seed=0)
+    qkv, pos, slots, pools, _ = case("float32", "float32", False, 3, seed=0)
     acts = [x.transpose(0, 2, 1, 3) for x in qkv]
     with pytest.raises(KernelArgumentError, match=r"k must be 3-D .* like q \(2x4x3x64\), got shape 6x2x64"):
         kernel(acts[0], to_rows(acts[1]), to_rows(acts[2]), pos, slots, *pools, check_slots=False)

@@ -10,9 +10,9 @@ benchmarks/e2e.SIZES (random bf16 weights). docs/benchmarks/e2e-root-cause.md.
 with the most own time.
 --build-only: time only the graph building of each step in this thread's CPU time (immune to the
 other processes of a shared host; the step is evaluated before the next one is built), on any
-device, e.g. this CPU box: `--sizes tiny-llama --layers 16 --build-only --profile 30`. Where
-mx.fast.rope builds its fallback graph in Python (the CPU), stock mlx-lm's figure includes it, so
-compare the fused cache's us/layer before and after a change rather than the two modes.
+device, e.g. this CPU box: `--sizes tiny-llama --layers 16 --prompt 32 --build-only --profile 30`.
+Where mx.fast.rope builds its fallback graph in Python (the CPU), stock mlx-lm's figure includes
+it, so compare the fused cache's us/layer before and after a change rather than the two modes.
 --section N: afterwards, time N x 50 runs of one layer's cache section as model code runs it (two
 `cache.offset` reads, two rope calls, update_and_fetch) with each cache, on layer 0's own q/k/v
 shapes, in this thread's CPU time (min and median per run): the part of a layer the two modes do
@@ -25,7 +25,9 @@ import time
 
 import mlx.core as mx
 
-from benchmarks.e2e import SIZES, random_model
+import contextlib
+
+from benchmarks.e2e import SIZES, plain_ropes, random_model
 from registry import native
 from registry.integrations.mlx_lm import make_own_cache, make_prompt_cache
 
@@ -34,14 +36,40 @@ p.add_argument("--sizes", default="llama-1b,llama-8b")
 p.add_argument("--steps", type=int, default=64)
 p.add_argument("--profile", type=int, default=0)
 p.add_argument("--prompt", type=int, default=128)
-p.add_argument("--build-only", action="store_true")
 p.add_argument("--layers", type=int, default=0, help="override the size's layer count")
+p.add_argument("--build-only", action="store_true")
 p.add_argument("--section", type=int, default=0)
 args = p.parse_args()
 
 
 def median(xs):
     return sorted(xs)[len(xs) // 2]
+
+
+def stock_as_shipped(label, model):
+    """mlx_lm: the drop-in cache's rope switches taken out (benchmarks.e2e.plain_ropes)."""
+    return plain_ropes(model) if label == "mlx_lm" else contextlib.nullcontext()
+
+
+def prefilled(model, make):
+    cache = make(model)
+    y = mx.argmax(model(mx.array([[1] * args.prompt]), cache=cache)[:, -1], axis=-1)
+    mx.eval(y)
+    return cache, y
+
+
+def measure_build(name, rnd, label, model, make):
+    cache, y = prefilled(model, make)
+    build = []
+    for _ in range(args.steps):
+        t0 = time.thread_time()
+        nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        build.append(time.thread_time() - t0)
+        mx.eval(nxt)
+        y = nxt
+    layers = len(model.layers)
+    print(f"{name} round {rnd} {label:12s} build {1e3 * median(build):6.3f} ms "
+          f"({1e6 * median(build) / layers:5.1f} us/layer)  min {1e6 * min(build) / layers:5.1f} us/layer", flush=True)
 
 
 # The section as attention code runs it: only model code gets the offsets the fused cache captures.
@@ -54,78 +82,71 @@ def section(rope, cache, q, k, v):
 """, _SECTION)
 
 
-def time_section(model, make, runs):
+def measure_section(name, rnd, label, model, make):
     attn, cache = model.model.layers[0].self_attn, make(model)[0]
-    B, H, Hkv, D = 1, attn.n_heads, attn.n_kv_heads, model.args.hidden_size // attn.n_heads
-    D = getattr(model.args, "head_dim", None) or D
-    q, k, v = (mx.random.normal((B, h, 1, D)).astype(mx.bfloat16) for h in (H, Hkv, Hkv))
+    D = getattr(model.args, "head_dim", None) or model.args.hidden_size // attn.n_heads
+    q, k, v = (mx.random.normal((1, h, 1, D)).astype(mx.bfloat16) for h in (attn.n_heads, attn.n_kv_heads,
+                                                                           attn.n_kv_heads))
     mx.eval(q, k, v)
     per_call = []
-    for _ in range(runs):
+    for _ in range(args.section):
         t0 = time.thread_time()
         for _ in range(50):
             _SECTION["section"](attn.rope, cache, q, k, v)   # results dropped: no reader holds the buffer
         per_call.append((time.thread_time() - t0) / 50)
         mx.eval(cache.keys, cache.values)
-    return min(per_call), median(per_call)
+    print(f"{name} round {rnd} {label:12s} cache section min {1e6 * min(per_call):6.2f} us  "
+          f"median {1e6 * median(per_call):6.2f} us", flush=True)
 
 
+def measure(name, rnd, label, model, make):
+    cache, y = prefilled(model, make)
+    native.reset_stats()
+    build, queue, step = [], [], []
+    for _ in range(args.steps):          # generate_step's pattern: queue n+1, then read n
+        t0 = time.perf_counter()
+        logits = model(y[:, None], cache=cache)[:, -1]
+        nxt = mx.argmax(logits, axis=-1)
+        t1 = time.perf_counter()
+        mx.async_eval(nxt)
+        t2 = time.perf_counter()
+        y.item()
+        t3 = time.perf_counter()
+        build.append(t1 - t0), queue.append(t2 - t1), step.append(t3 - t0)
+        y = nxt
+    y.item()
+    st = native.stats()
+    layers = len(model.layers)
+    print(f"{name} round {rnd} {label:12s} step {1e3 * median(step):6.3f} ms ({1 / median(step):6.1f} tok/s)  "
+          f"build {1e3 * median(build):6.3f} ms ({1e6 * median(build) / layers:5.1f} us/layer)  "
+          f"queue {1e3 * median(queue):6.3f} ms  copies {st['copies']} syncs {st['syncs']}", flush=True)
+
+
+def profile(name, label, model, make):
+    cache, y = prefilled(model, make)
+    prof = cProfile.Profile()
+    for _ in range(args.profile):
+        prof.enable()
+        nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        prof.disable()
+        mx.eval(nxt)
+        y = nxt
+    print(f"{name} {label}: graph building of {args.profile} steps, by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+
+
+CACHES = (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache))
 for name in args.sizes.split(","):
     config = dict(SIZES[name].config, **({"num_hidden_layers": args.layers} if args.layers else {}))
     model = random_model(config, mx.bfloat16)
     for rnd in range(2):
-        for label, make in (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache)):
-            cache = make(model)
-            y = mx.argmax(model(mx.array([[1] * args.prompt]), cache=cache)[:, -1], axis=-1)
-            mx.eval(y)
-            native.reset_stats()
-            build, queue, step = [], [], []
-            for _ in range(args.steps):          # generate_step's pattern: queue n+1, then read n
-                if args.build_only:
-                    t0 = time.thread_time()
-                    nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
-                    build.append(time.thread_time() - t0)
-                    mx.eval(nxt)
-                    y = nxt
-                    continue
-                t0 = time.perf_counter()
-                logits = model(y[:, None], cache=cache)[:, -1]
-                nxt = mx.argmax(logits, axis=-1)
-                t1 = time.perf_counter()
-                mx.async_eval(nxt)
-                t2 = time.perf_counter()
-                y.item()
-                t3 = time.perf_counter()
-                build.append(t1 - t0), queue.append(t2 - t1), step.append(t3 - t0)
-                y = nxt
-            y.item()
-            st = native.stats()
-            layers = len(model.layers)
-            if args.build_only:
-                print(f"{name} round {rnd} {label:12s} build {1e3 * median(build):6.3f} ms "
-                      f"({1e6 * median(build) / layers:5.1f} us/layer)  min {1e6 * min(build) / layers:5.1f} us/layer",
-                      flush=True)
-                continue
-            print(f"{name} round {rnd} {label:12s} step {1e3 * median(step):6.3f} ms ({1 / median(step):6.1f} tok/s)  "
-                  f"build {1e3 * median(build):6.3f} ms ({1e6 * median(build) / layers:5.1f} us/layer)  "
-                  f"queue {1e3 * median(queue):6.3f} ms  copies {st['copies']} syncs {st['syncs']}", flush=True)
-    if args.profile:
-        for label, make in (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache)):
-            cache = make(model)
-            y = mx.argmax(model(mx.array([[1] * args.prompt]), cache=cache)[:, -1], axis=-1)
-            mx.eval(y)
-            prof = cProfile.Profile()
-            for _ in range(args.profile):
-                prof.enable()
-                nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
-                prof.disable()
-                mx.eval(nxt)
-                y = nxt
-            print(f"{name} {label}: graph building of {args.profile} steps, by own time")
-            pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
-    if args.section:
-        for rnd in range(2):
-            for label, make in (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache)):
-                lo, mid = time_section(model, make, args.section)
-                print(f"{name} round {rnd} {label:12s} cache section min {1e6 * lo:6.2f} us  median {1e6 * mid:6.2f} us",
-                      flush=True)
+        for label, make in CACHES:
+            with stock_as_shipped(label, model):
+                (measure_build if args.build_only else measure)(name, rnd, label, model, make)
+    for label, make in CACHES if args.profile else ():
+        with stock_as_shipped(label, model):
+            profile(name, label, model, make)
+    for rnd in range(2) if args.section else ():
+        for label, make in CACHES:
+            with stock_as_shipped(label, model):
+                measure_section(name, rnd, label, model, make)
