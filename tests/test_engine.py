@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from registry import native
 from registry.core import backend_of
 from registry.integrations.coverage import ARCHS
 from registry.integrations.engine import mlx_lm_greedy
@@ -136,23 +137,24 @@ def test_engine_uses_the_native_kernel_where_selected(native_artifacts):
     engine = SlotEngine(model_of("llama (llama3)"))
     for plan in engine.plans.values():
         assert plan.path == "fused" and plan.reason.startswith(f"native-{backend_of(None)}")
-    kset = engine.kernels.by_layer[0]
     shapes = []
-    original = type(kset.rope).__call__
 
-    def spy(self, q, *a, **kw):
-        shapes.append(q.shape)
-        return original(self, q, *a, **kw)
+    def spied(call):
+        def spy(q, *a):
+            shapes.append(q.shape)
+            return call(q, *a)
+        return spy
 
-    type(kset.rope).__call__ = spy
-    try:
-        engine.generate(PROMPTS[:2], 3)
-    finally:
-        type(kset.rope).__call__ = original
+    for plan in engine.plans.values():
+        plan.call = spied(plan.call)
+    native.reset_stats()
+    engine.generate(PROMPTS[:2], 3)
+    launches = native.stats()["launches"]
     # 2 layers x (2 prefills + 2 batched decode steps), one fused call per layer each
     assert len(shapes) == 2 * (2 + 2)
     # q as the attention holds it, [B, H, L, D]: the kernel reads it in place (strided)
     assert shapes[0] == (1, 4, 5, 16) and shapes[2] == (1, 4, 2, 16) and shapes[-1] == (2, 4, 1, 16)
+    assert launches == len(shapes)                    # each one launch of the native kernel
 
 
 def test_rejected_rope_runs_the_module_rope():

@@ -282,8 +282,7 @@ class SlotEngine:
         if self.mode == "module":
             return LayerPlan(i, "module", "mode='module': the model's own rope and a plain pool scatter", None, window)
         store_kernel = getattr(ks, "kv_store", None) if self.mode == "fused" and c.head_dim == c.v_head_dim else None
-        store = None if store_kernel is None else (
-            lambda k, v, s, kp, vp, _k=store_kernel: _k(k, v, s, kp, vp, check_slots=False))
+        store = None if store_kernel is None else store_kernel.last_bound()    # the layer's stream of launches
 
         def own(reason: str, rotates: bool = True) -> LayerPlan:
             return LayerPlan(i, "module", reason, None, window, rotates=rotates, store=store)
@@ -300,14 +299,15 @@ class SlotEngine:
         if self.mode == "fused" and ks.qk_norm_rope is not None:
             kernel, (qn, kn) = ks.qk_norm_rope, qk_norm_attrs(attn)
             q_norm, k_norm = getattr(attn, qn), getattr(attn, kn)
-            call = (lambda q, k, v, p, s, kp, vp, _k=kernel, _qn=q_norm, _kn=k_norm:
-                    _k(q, k, v, p, s, kp, vp, _qn.weight, _kn.weight, check_slots=False))
+            # The layer's own stream of launches (kernel.last_bound): steady decode steps keep their
+            # shapes, so each launches the last signature's plan directly.
+            call = (lambda q, k, v, p, s, kp, vp, _k=kernel.last_bound(), _qn=q_norm, _kn=k_norm:
+                    _k(q, k, v, p, s, kp, vp, _qn.weight, _kn.weight))
             return LayerPlan(i, "fused", f"q/k {ctx.qk_norm.source} + RoPE + cache write: {_impl(kernel)}", call,
                              window, kernel="qk_norm_rope_pool_fused", norms=((qn, q_norm), (kn, k_norm)))
         if self.mode == "fused" and ks.rope is not None:
             kernel = ks.rope
-            call = (lambda q, k, v, p, s, kp, vp, _k=kernel: _k(q, k, v, p, s, kp, vp, check_slots=False))
-            return LayerPlan(i, "fused", _impl(kernel), call, window)
+            return LayerPlan(i, "fused", _impl(kernel), kernel.last_bound(), window)
         if ctx.rope is not None and ctx.attention == "mha":
             cfg = ctx.rope
             call = (lambda q, k, v, p, s, kp, vp, _c=cfg: rope_pool_fused_reference(q, k, v, p, s, kp, vp, rope=_c))
