@@ -132,8 +132,9 @@ def mlx_layer(d: LayerData, positions, slots, rope: RopeConfig, periods) -> list
     return [q, k, d.k_pool, d.v_pool]
 
 
-def fused_layer(kernel, d: LayerData, positions, slots) -> list[mx.array]:
-    q, k, d.k_pool, d.v_pool = kernel(d.q, d.k, d.v, positions, slots, d.k_pool, d.v_pool, check_slots=False)
+def fused_layer(launch, d: LayerData, positions, slots) -> list[mx.array]:
+    """`launch`: the kernel's `last_bound()` stream, the hot path an engine uses (no slot check)."""
+    q, k, d.k_pool, d.v_pool = launch(d.q, d.k, d.v, positions, slots, d.k_pool, d.v_pool)
     return [q, k, d.k_pool, d.v_pool]
 
 
@@ -143,8 +144,10 @@ def step_builders(kernel, rope: RopeConfig, layers: list[LayerData], positions: 
     periods = None if rope.periods is None else mx.array(rope.periods_array())
     host_slots = [int(s) for s in np.array(slots)]  # the seed looked slots up on the host
 
+    launch = kernel.last_bound()
+
     def fused():
-        return [a for d in layers for a in fused_layer(kernel, d, positions, slots)]
+        return [a for d in layers for a in fused_layer(launch, d, positions, slots)]
 
     def mlx_path():
         return [a for d in layers for a in mlx_layer(d, positions, slots, rope, periods)]

@@ -83,11 +83,12 @@ def _mlx_rope(x, positions, rope):
 
 
 def _steps(kernel_name: str, kernel, rope, layers: list[Layer], positions, slots) -> dict[str, Callable]:
+    launch = kernel.last_bound()          # the hot path an engine uses (no slot check)
     if kernel_name == "kv_pool_store":
         def fused():
             outs = []
             for d in layers:
-                d.k_pool, d.v_pool = kernel(d.k, d.v, slots, d.k_pool, d.v_pool, check_slots=False)
+                d.k_pool, d.v_pool = launch(d.k, d.v, slots, d.k_pool, d.v_pool)
                 outs += [d.k_pool, d.v_pool]
             return outs
 
@@ -102,8 +103,8 @@ def _steps(kernel_name: str, kernel, rope, layers: list[Layer], positions, slots
         def fused():
             outs = []
             for d in layers:
-                q, k, d.k_pool, d.v_pool = kernel(d.q, d.k, d.v, positions, slots, d.k_pool, d.v_pool, d.q_weight,
-                                                  d.k_weight, check_slots=False)
+                q, k, d.k_pool, d.v_pool = launch(d.q, d.k, d.v, positions, slots, d.k_pool, d.v_pool, d.q_weight,
+                                                  d.k_weight)
                 outs += [q, k, d.k_pool, d.v_pool]
             return outs
 
