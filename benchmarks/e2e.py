@@ -220,6 +220,12 @@ def plain_ropes(model):
             setattr(attn, attr, switch)
 
 
+def as_shipped(mode: str, model):
+    """The context a mode of mlx-lm's own loop runs in: `mlx_lm` with plain_ropes (stock as shipped),
+    the fused cache as it is."""
+    return plain_ropes(model) if mode == "mlx_lm" else contextlib.nullcontext()
+
+
 class Modes:
     """The modes of one model: how to run each, and why a mode cannot run."""
 
@@ -251,10 +257,8 @@ class Modes:
     def run(self, mode: str, prompts, n) -> Run:
         if mode in self.engines:
             return run_engine(self.engines[mode], prompts, n)
-        if mode == "mlx_lm":
-            with plain_ropes(self.model):
-                return run_mlx_lm(self.model, prompts, n, self.factories[mode])
-        return run_mlx_lm(self.model, prompts, n, self.factories[mode])
+        with as_shipped(mode, self.model):
+            return run_mlx_lm(self.model, prompts, n, self.factories[mode])
 
     def try_run(self, mode: str, prompts, n) -> Run | None:
         """run(), except that a mode mlx-lm's loop refuses (a cache that cannot batch) is skipped with

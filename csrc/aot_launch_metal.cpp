@@ -6,7 +6,6 @@
 
 #include <dispatch/dispatch.h>
 
-#include <array>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>

@@ -367,8 +367,7 @@ class KVCache(_Fused, _stock.KVCache):
         if calls is None:
             return super().update_and_fetch(keys, values)
         prev, (B, _, L, _) = self.__dict__["_fused_off"], keys.shape
-        if self.keys is None or prev + L > self.keys.shape[2]:
-            self._room(prev, keys, values)
+        self._room(prev, keys, values)
         S = self.keys.shape[2]
         self._write(calls, values, *_int_index(prev, L, B, S, prev))
         n = self.__dict__["_fused_off"] = prev + L

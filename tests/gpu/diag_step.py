@@ -25,9 +25,7 @@ import time
 
 import mlx.core as mx
 
-import contextlib
-
-from benchmarks.e2e import SIZES, plain_ropes, random_model
+from benchmarks.e2e import SIZES, as_shipped, random_model
 from registry import native
 from registry.integrations.mlx_lm import make_own_cache, make_prompt_cache
 
@@ -44,11 +42,6 @@ args = p.parse_args()
 
 def median(xs):
     return sorted(xs)[len(xs) // 2]
-
-
-def stock_as_shipped(label, model):
-    """mlx_lm: the drop-in cache's rope switches taken out (benchmarks.e2e.plain_ropes)."""
-    return plain_ropes(model) if label == "mlx_lm" else contextlib.nullcontext()
 
 
 def prefilled(model, make):
@@ -141,12 +134,12 @@ for name in args.sizes.split(","):
     model = random_model(config, mx.bfloat16)
     for rnd in range(2):
         for label, make in CACHES:
-            with stock_as_shipped(label, model):
+            with as_shipped(label, model):
                 (measure_build if args.build_only else measure)(name, rnd, label, model, make)
     for label, make in CACHES if args.profile else ():
-        with stock_as_shipped(label, model):
+        with as_shipped(label, model):
             profile(name, label, model, make)
     for rnd in range(2) if args.section else ():
         for label, make in CACHES:
-            with stock_as_shipped(label, model):
+            with as_shipped(label, model):
                 measure_section(name, rnd, label, model, make)
