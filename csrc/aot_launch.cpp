@@ -146,6 +146,14 @@ mx::array cow_guard(const mx::array& a, mx::StreamOrDevice s) {
   return mx::scatter(a, {idx}, upd, {0}, s);
 }
 
+// A lazy 1-D array made by mx.contiguous is row-contiguous once computed (in 1-D col-major is
+// row-major), so it goes as it is rather than through a second Contiguous node per launch: the
+// integrations' per-step index arrays (registry.native.device_indices), shared by every layer.
+static bool dense_by_construction(const mx::array& a) {
+  return !a.is_available() && a.ndim() <= 1 && a.has_primitive() &&
+         std::strcmp(a.primitive().name(), "Contiguous") == 0;
+}
+
 std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args,
                               std::vector<mx::array> inputs, mx::StreamOrDevice s, std::vector<Copied>* copied) {
   const std::string& entry = args->entry;
@@ -209,7 +217,7 @@ std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shar
     auto& a = inputs[input_of[b]];
     if (bin->roles[b] == kInplace) {
       if (!alias[input_of[b]]) a = cow_guard(a, s);
-    } else if (!bin->strided[b] && (!a.is_available() || !a.flags().row_contiguous)) {
+    } else if (!bin->strided[b] && !dense_by_construction(a) && (!a.is_available() || !a.flags().row_contiguous)) {
       a = mx::contiguous(a, false, s);  // shares the buffer when already row-contiguous
     }  // a strided buffer goes as it is: its kernel reads it through the strides passed at eval
   }

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from . import envs
 from .artifacts import lookup
@@ -176,6 +177,32 @@ def stats() -> dict[str, int]:
 
 def reset_stats() -> None:
     import_ext().reset_stats()
+
+
+_PAD: list = []        # four int32 zeros the GPU wrote: the shared tail of every device_indices buffer
+
+
+def device_indices(backend: str, *arrays) -> tuple[mx.array, ...]:
+    """int32 index arrays (positions, slots, tables: numpy arrays or int sequences) as mx.arrays of
+    their shapes, for the kernels of `backend` and the MLX ops beside them. On CUDA, MLX keeps an
+    array made from host data, and any array of at most 8 bytes, in managed memory, which a kernel
+    reads across the bus: 6 of a decode launch's 10 us of rope_pool_fused on the H200
+    (docs/benchmarks/e2e-root-cause.md section 7). So there they become views of one device buffer
+    of more than 8 bytes that one concatenate (a kernel: once per step where the caller memoises)
+    copies them into; each 1-D view is an mx.contiguous, which the launcher takes as it is. On other
+    backends: plain mx.arrays."""
+    parts = [np.asarray(a, dtype=np.int32) for a in arrays]
+    if backend != "cuda":
+        return tuple(mx.array(p) for p in parts)
+    if not _PAD:
+        _PAD.append(mx.zeros((4,), dtype=mx.int32))
+    flat = mx.concatenate([mx.array(np.concatenate([p.reshape(-1) for p in parts])), _PAD[0]])
+    out, at = [], 0
+    for p in parts:
+        view = flat[at:at + p.size]
+        at += p.size
+        out.append(mx.contiguous(view) if p.ndim == 1 else view.reshape(p.shape))
+    return tuple(out)
 
 
 def _device_arch(ext) -> str:

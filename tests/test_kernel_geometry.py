@@ -27,12 +27,29 @@ def test_cuda_source_implements_exactly_the_wrapper_widths(module):
 
 
 @pytest.mark.parametrize("itemsize", [2, 4])
-def test_rope_pool_fused_widths_fit_the_row(itemsize):
+@pytest.mark.parametrize("rows", [1, 40, 320, 10 ** 6])
+def test_rope_pool_fused_widths_fit_the_row(itemsize, rows):
     for D in range(2, 514, 2):
         for R in range(2, D + 1, 2):
-            w = rope_pool_fused.cuda_vector_width(D, R, itemsize)
+            w = rope_pool_fused.cuda_vector_width(D, R, itemsize, rows)
             assert w in rope_pool_fused.CUDA_WIDTHS and w * itemsize <= 16
             assert R % (2 * w) == 0 and (D - R) % w == 0
+
+
+def test_rope_pool_fused_width_narrows_only_for_latency_bound_launches():
+    width, geometry = rope_pool_fused.cuda_vector_width, rope_pool_fused.cuda_geometry
+    # llama-8b decode, one token: 32 + 8 head groups; 16-byte vectors would give 320 threads
+    assert width(128, 128, 2, 40) == 1
+    grid, block = geometry(1, 32, 8, 128, 128, 1, 1)
+    assert grid == (64, 40, 1) and block == (64, 1, 1)
+    # eight tokens: halved only until the launch has LATENCY_THREADS threads
+    assert width(128, 128, 2, 320) == 4
+    assert 320 * (128 // 4 // 2) >= rope_pool_fused.LATENCY_THREADS > 320 * (128 // 8 // 2)
+    # a prefill keeps 16-byte vectors and full blocks
+    assert width(128, 128, 2, 40 * 128) == 8
+    assert geometry(128, 32, 8, 128, 128, 1, 8)[1] == (256, 1, 1)
+    # partial rotary and pass-through tails: a halved width still fits
+    assert width(128, 64, 4, 10 ** 6) == 4 and width(96, 32, 2, 1) == 1
 
 
 def test_kv_pool_store_widths_fit_the_row():

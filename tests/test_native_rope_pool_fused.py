@@ -11,6 +11,7 @@ import pytest
 from registry import ArtifactError, KernelRegistry
 from registry.core import SelectionContext, backend_of
 from registry.kernels.rope_pool_fused import build, rope_pool_fused_reference
+from registry.native import device_indices
 from registry.rope import RopeConfig
 from tests._oracle import by_slot, rope_pool_numpy
 from tests.rope_cases import TOL, make_case, matrix, rope_variant, to_np
@@ -373,6 +374,35 @@ def test_non_contiguous_inputs_are_made_contiguous(native_artifacts):
     got = kernel(qt, k, v, pos, slots, mx.array(kp), mx.array(vp))
     want = rope_pool_fused_reference(q, k, v, pos, slots, kp, vp, rope=rope)
     np.testing.assert_allclose(to_np(got[0]), to_np(want[0]), atol=3e-3)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cpu"])
+def test_device_indices_keep_values_and_shapes(backend):
+    # "cuda" builds the device-buffer views on whatever device runs the test: values and shapes only.
+    table = np.arange(6, dtype=np.int32).reshape(2, 3)
+    pos, slots, tab = device_indices(backend, (7,), [3], table)
+    assert [pos.shape, slots.shape, tab.shape] == [(1,), (1,), (2, 3)]
+    assert [pos.dtype, slots.dtype, tab.dtype] == [mx.int32] * 3
+    assert pos.tolist() == [7] and slots.tolist() == [3] and tab.tolist() == table.tolist()
+
+
+def test_lazy_1d_contiguous_inputs_go_as_they_are(native_artifacts):
+    """The per-step index arrays of device_indices(backend="cuda") are lazy mx.contiguous views: the
+    launcher adds no second Contiguous node per launch for them, and the kernel reads them right."""
+    from benchmarks.graph_count import count
+
+    rope = RopeConfig(32)
+    kernel = native_kernel(rope)
+    q, k, v, pos, slots, kp, vp = make_case(3, 4, 2, 32, 8, "float32", [5, 0, 2])
+    pos_d, slots_d = device_indices("cuda", np.array(pos), np.array(slots))
+    got = kernel(q, k, v, pos_d, slots_d, mx.array(kp), mx.array(vp), check_slots=False)
+    assert count(got)["Contiguous"] == 2          # the two views' own, none added by the launch
+    want = rope_pool_fused_reference(q, k, v, pos, slots, kp, vp, rope=rope)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(to_np(g), to_np(w), atol=3e-5)
+    lazy = mx.arange(3, dtype=mx.int32)[::-1] * 2     # a lazy view of another kind still gets one
+    got = kernel(q, k, v, pos, lazy, mx.array(kp), mx.array(vp), check_slots=False)
+    assert count(got)["Contiguous"] == 1
 
 
 def test_disable_and_require_native(native_artifacts, monkeypatch, tmp_path):

@@ -50,6 +50,7 @@ import numpy as np
 
 from ._capture import (DataflowError, RopeCall, RopeCapture, rebind, resolve, resolve_with_module_rope,
                        split_calls)
+from ..native import device_indices
 from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, import_mlx_lm_module,
                      kv_cache_path, rope_attr)
 
@@ -158,22 +159,21 @@ class Fusion:
 _INDEX_MEMO: dict[tuple, tuple[mx.array, mx.array]] = {}
 
 
-def _int_index(start: int, L: int, B: int, S: int, pos: int) -> tuple[mx.array, mx.array]:
+def _int_index(start: int, L: int, B: int, S: int, pos: int, backend: str) -> tuple[mx.array, mx.array]:
     """(positions, slots) int32 [B*L] for rows start..start+L-1 of each batch row of a [B, H, S, D]
-    buffer (slot = b*S + row), token positions pos..pos+L-1. Memoised: every layer of a step asks
-    for the same."""
-    key = (start, L, B, S, pos)
+    buffer (slot = b*S + row), token positions pos..pos+L-1, for the kernels of `backend` (in device
+    memory on CUDA: registry.native.device_indices). Memoised: every layer of a step asks for the same."""
+    key = (start, L, B, S, pos, backend)
     hit = _INDEX_MEMO.get(key)
     if hit is None:
         if len(_INDEX_MEMO) > 64:
             _INDEX_MEMO.clear()
         if B == 1 and L == 1:
-            hit = _INDEX_MEMO[key] = (mx.array([pos], dtype=mx.int32), mx.array([start], dtype=mx.int32))
+            hit = _INDEX_MEMO[key] = device_indices(backend, (pos,), (start,))
             return hit
         ls = np.tile(np.arange(L, dtype=np.int64), B)
         bs = np.repeat(np.arange(B, dtype=np.int64), L)
-        hit = (mx.array((pos + ls).astype(np.int32)), mx.array((bs * S + start + ls).astype(np.int32)))
-        _INDEX_MEMO[key] = hit
+        hit = _INDEX_MEMO[key] = device_indices(backend, pos + ls, bs * S + start + ls)
     return hit
 
 
@@ -369,7 +369,7 @@ class KVCache(_Fused, _stock.KVCache):
         prev, (B, _, L, _) = self.__dict__["_fused_off"], keys.shape
         self._room(prev, keys, values)
         S = self.keys.shape[2]
-        self._write(calls, values, *_int_index(prev, L, B, S, prev))
+        self._write(calls, values, *_int_index(prev, L, B, S, prev, self._fusion.kernel.backend))
         n = self.__dict__["_fused_off"] = prev + L
         if n < S:
             return self.keys[:, :, :n], self.values[:, :, :n]     # [..., :n, :] parses slower (4-D buffers)
@@ -393,12 +393,12 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
             return super().update_and_fetch(keys, values)
         prev, (B, _, L, _) = self.__dict__["_fused_off"], keys.shape
         if L > 1:
-            positions, _ = _int_index(0, L, B, 0, prev)
+            positions, _ = _int_index(0, L, B, 0, prev, self._fusion.kernel.backend)
             return super().update_and_fetch(self._rotate_only(calls, values, positions), values)
         self._ring_slot(prev, keys, values)
         if self._idx == self.max_size:
             self._idx = self.keep
-        self._write(calls, values, *_int_index(self._idx, 1, B, self.keys.shape[2], prev))
+        self._write(calls, values, *_int_index(self._idx, 1, B, self.keys.shape[2], prev, self._fusion.kernel.backend))
         self.offset = prev + 1
         self._idx += 1
         return self.keys_and_values()
@@ -408,13 +408,13 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
         return _rebind(BatchRotatingKVCache.merge(caches), caches)
 
 
-def _batch_index(offset: mx.array, start: int, L: int, S: int) -> tuple[mx.array, mx.array]:
+def _batch_index(offset: mx.array, start: int, L: int, S: int, backend: str) -> tuple[mx.array, mx.array]:
     """(positions, slots) int32 [B*L] for a batch cache: token l of row b at position offset[b] + l,
     written to row start + l of batch row b (slot b*S + start + l). Lazy: no host sync. The slots
     are a constant every layer of a step shares (_int_index's memo); a decode step's positions are
     the offsets themselves, so neither adds a graph node."""
     B = offset.shape[0]
-    _, slots = _int_index(start, L, B, S, 0)
+    _, slots = _int_index(start, L, B, S, 0, backend)
     if L == 1:
         return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), slots
     positions = (offset.astype(mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]).reshape(-1)
@@ -434,7 +434,8 @@ class BatchKVCache(_Fused, _stock.BatchKVCache):
             return super().update_and_fetch(keys, values)
         prev, L = self._idx, keys.shape[2]
         self._room(prev, keys, values)
-        self._write(calls, values, *_batch_index(self.__dict__["_fused_off"], prev, L, self.keys.shape[2]))
+        self._write(calls, values, *_batch_index(self.__dict__["_fused_off"], prev, L, self.keys.shape[2],
+                                                           self._fusion.kernel.backend))
         self.offset = self.__dict__["_fused_off"] + L
         self._idx += L
         return self.keys_and_values()
@@ -457,7 +458,7 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
             return super().update_and_fetch(keys, values)
         off, L = self.__dict__["_fused_off"], keys.shape[2]
         if L > 1:
-            positions, _ = _batch_index(off, 0, L, 0)
+            positions, _ = _batch_index(off, 0, L, 0, self._fusion.kernel.backend)
             return super().update_and_fetch(self._rotate_only(calls, values, positions), values)
         if self._lengths is not None:
             raise RuntimeError("finalize() should be called before decoding with BatchRotatingKVCache")
@@ -469,7 +470,7 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
             self._idx = 0
         if self.rotated:
             self.left_padding -= 1
-        self._write(calls, values, *_batch_index(off, self._idx, 1, self.keys.shape[2]))
+        self._write(calls, values, *_batch_index(off, self._idx, 1, self.keys.shape[2], self._fusion.kernel.backend))
         self._offset += 1
         self.offset = off + 1
         self._idx += 1

@@ -33,7 +33,8 @@ import numpy as np
 
 from ..errors import MlxAotError
 from ..kernels.rope_pool_fused import rope_pool_fused_reference
-from ..core import qk_norm_attrs
+from ..core import backend_of, qk_norm_attrs
+from ..native import device_indices
 from ._capture import DataflowError, NormBypass, RopeCapture, resolve
 from .mlx_lm import (ModelKernels, build_kernel_sets, find_attention_layers, kv_cache_path, make_own_cache,
                      ranges, rope_attr)
@@ -255,6 +256,7 @@ class SlotEngine:
         self.vocab_size = _vocab_size(model)
         self._inflight: list[_InFlight] = []      # decode steps queued, tokens not read yet
         self._arange = np.arange(pool_size + 1, dtype=np.int32)   # positions, sliced per step
+        self._backend = backend_of()            # where the step's index arrays go (device_indices)
         # Without per-request state the cache list is the same every forward (the pools read step_ctx).
         paths = [self.kv_paths.get(i) for i in range(len(own))]
         self._static_caches = (None if self.stateful or any(p not in ((), None) for p in paths)
@@ -428,9 +430,8 @@ class SlotEngine:
             ar = self._arange[:ctx_len][None]
             kpos = np.where(ar < np.asarray(lens, np.int32)[:, None], ar, np.int32(-1))
         qpos = np.asarray(offsets, np.int32)[:, None] + self._arange[:L][None]
-        self.step_ctx = Step(B, L, offsets, mx.array(qpos.reshape(-1)),
-                             mx.array(np.asarray(new_slots, np.int32)), mx.array(table), mx.array(kpos),
-                             mx.array(qpos))
+        self.step_ctx = Step(B, L, offsets, *device_indices(self._backend, qpos.reshape(-1), new_slots, table, kpos,
+                                                             qpos))
         if self._static_caches is not None:
             caches = self._static_caches
         else:

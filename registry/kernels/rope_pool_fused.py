@@ -45,37 +45,55 @@ def pick_heads_per_thread(n_q_heads: int, n_kv_heads: int, n_tokens: int) -> int
     return 1 if n_tokens * n_q_heads <= 4096 else 4
 
 
+def head_groups(n_q_heads: int, n_kv_heads: int, heads_per_thread: int) -> int:
+    """Thread groups of heads across q then k (the last of each partial when hpt does not divide)."""
+    return -(-n_q_heads // heads_per_thread) + -(-n_kv_heads // heads_per_thread)
+
+
 def metal_geometry(n_tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int, rotary_dims: int,
                    heads_per_thread: int, itemsize: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """(grid in threads, threadgroup) for the Metal kernel; docs/kernel-abi.md spells it out."""
     del rotary_dims, itemsize  # every thread owns one feature pair; rotary vs pass-through is decided inside
-    hpt = heads_per_thread
-    groups = -(-n_q_heads // hpt) + -(-n_kv_heads // hpt)
+    groups = head_groups(n_q_heads, n_kv_heads, heads_per_thread)
     gx = head_dim // 2
     tx = min(gx, 32)
     ty = max(1, min(n_tokens, 256 // tx))
     return (gx, max(n_tokens, 1), groups), (tx, ty, 1)
 
 
-def cuda_vector_width(head_dim: int, rotary_dims: int, itemsize: int) -> int:
+# Below this many threads a launch is bound by one thread's latency, not by memory: a decode step's
+# few hundred threads would each compute W cos/sin in turn (ncu on the H200: 13 us per call at W = 8,
+# e2e-root-cause.md section 7), so the vector narrows and more threads share the rows.
+LATENCY_THREADS = 4096
+
+
+def _units(head_dim: int, rotary_dims: int, width: int) -> int:
+    """Vector units of one row: rotary units (W pairs each), then pass-through units (W features)."""
+    return rotary_dims // (2 * width) + (head_dim - rotary_dims) // width
+
+
+def cuda_vector_width(head_dim: int, rotary_dims: int, itemsize: int, rows: int) -> int:
     """Elements per vector access of the CUDA kernel, passed to it as the scalar vec_width (the one
-    source): 16 bytes of the activations' type when the rotary halves and the pass-through tail start
-    on multiples of it, else narrower, down to 1."""
+    source), for a launch of `rows` (tokens x head groups): 16 bytes of the activations' type when the
+    rotary halves and the pass-through tail start on multiples of it (else narrower, down to 1),
+    halved while the launch would have fewer than LATENCY_THREADS threads (a halved width still fits
+    the row)."""
     w = 16 // itemsize
-    while w > 1:
-        if rotary_dims % (2 * w) == 0 and (head_dim - rotary_dims) % w == 0:
-            return w
+    while w > 1 and (rotary_dims % (2 * w) or (head_dim - rotary_dims) % w):
         w //= 2
-    return 1
+    while w > 1 and rows * _units(head_dim, rotary_dims, w) < LATENCY_THREADS:
+        w //= 2
+    return w
 
 
 def cuda_geometry(n_tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int, rotary_dims: int,
                   heads_per_thread: int, width: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(grid in threads, block) for the CUDA kernel: x = tokens x vector units of a row, y = head groups."""
-    units = rotary_dims // (2 * width) + (head_dim - rotary_dims) // width
-    hpt = heads_per_thread
-    groups = -(-n_q_heads // hpt) + -(-n_kv_heads // hpt)
-    return (n_tokens * units, groups, 1), (256, 1, 1)
+    """(grid in threads, block) for the CUDA kernel: x = tokens x vector units of a row, y = head groups;
+    blocks of up to 256 threads, no wider than x needs (whole warps), so a small launch's blocks hold
+    no idle warps."""
+    x = n_tokens * _units(head_dim, rotary_dims, width)
+    groups = head_groups(n_q_heads, n_kv_heads, heads_per_thread)
+    return (x, groups, 1), (min(256, max(32, -(-x // 32) * 32)), 1, 1)
 
 
 # ----------------------------------------------------------------------------- kernel object
@@ -117,7 +135,7 @@ class RopePoolFusedKernel(PoolKernel):
         T, Hq, D = rows_of(q)
         Hkv, R = k.shape[1], self.rope.rotary_dims
         hpt = pick_heads_per_thread(Hq, Hkv, T)
-        width = cuda_vector_width(D, R, q.dtype.size) if self.backend == "cuda" else 1
+        width = cuda_vector_width(D, R, q.dtype.size, T * head_groups(Hq, Hkv, hpt)) if self.backend == "cuda" else 1
         if self.backend == "cuda":
             grid, group = cuda_geometry(T, Hq, Hkv, D, R, hpt, width)
         elif self.backend == "metal":

@@ -37,6 +37,8 @@ p.add_argument("--prompt", type=int, default=128)
 p.add_argument("--layers", type=int, default=0, help="override the size's layer count")
 p.add_argument("--build-only", action="store_true")
 p.add_argument("--section", type=int, default=0)
+p.add_argument("--rounds", type=int, default=2)
+p.add_argument("--caches", default="mlx_lm,fused_cache", help="which caches to run (e.g. one, under a profiler)")
 args = p.parse_args()
 
 
@@ -128,18 +130,22 @@ def profile(name, label, model, make):
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
 
 
-CACHES = (("mlx_lm", make_own_cache), ("fused_cache", make_prompt_cache))
+_MAKERS = {"mlx_lm": make_own_cache, "fused_cache": make_prompt_cache}
+unknown = set(args.caches.split(",")) - set(_MAKERS)
+if unknown:
+    p.error(f"--caches: unknown {', '.join(sorted(unknown))} (choose from {', '.join(_MAKERS)})")
+CACHES = tuple((c, _MAKERS[c]) for c in args.caches.split(","))
 for name in args.sizes.split(","):
     config = dict(SIZES[name].config, **({"num_hidden_layers": args.layers} if args.layers else {}))
     model = random_model(config, mx.bfloat16)
-    for rnd in range(2):
+    for rnd in range(args.rounds):
         for label, make in CACHES:
             with as_shipped(label, model):
                 (measure_build if args.build_only else measure)(name, rnd, label, model, make)
     for label, make in CACHES if args.profile else ():
         with as_shipped(label, model):
             profile(name, label, model, make)
-    for rnd in range(2) if args.section else ():
+    for rnd in range(args.rounds) if args.section else ():
         for label, make in CACHES:
             with as_shipped(label, model):
                 measure_section(name, rnd, label, model, make)

@@ -1,0 +1,74 @@
+"""Probe (not a test): the GPU time of one batch-1 decode step's kernels, per kernel name, with
+mlx-lm's own cache or the drop-in fused cache, measured by Nsight Compute (each kernel's
+gpu__time_duration; launch gaps between graph nodes are not included). The probe profiles only its
+timed steps (cuProfilerStart/Stop around them), every step evaluated on its own.
+
+    ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file K.csv \
+        python3 tests/gpu/diag_kernels.py --size llama-8b --layers 4 --cache fused_cache --steps 3
+    python3 tests/gpu/diag_kernels.py --summarize K.csv --steps 3 --layers 4
+
+docs/benchmarks/e2e-root-cause.md.
+"""
+import argparse
+import csv
+import ctypes
+import sys
+from collections import defaultdict
+
+p = argparse.ArgumentParser()
+p.add_argument("--size", default="llama-8b")
+p.add_argument("--layers", type=int, default=4)
+p.add_argument("--cache", default="fused_cache", choices=("mlx_lm", "fused_cache"))
+p.add_argument("--steps", type=int, default=3)
+p.add_argument("--prompt", type=int, default=128)
+p.add_argument("--summarize", metavar="CSV", help="print per-step, per-layer kernel times from an ncu CSV log")
+args = p.parse_args()
+
+
+def summarize(path: str) -> None:
+    per_name, n = defaultdict(float), defaultdict(int)
+    with open(path, newline="") as f:
+        rows = [r for r in csv.reader(f) if len(r) > 10]
+    head = rows[0]
+    name_at, metric_at, value_at, unit_at = (head.index(c) for c in ("Kernel Name", "Metric Name", "Metric Value",
+                                                                    "Metric Unit"))
+    for r in rows[1:]:
+        if r[metric_at] != "gpu__time_duration.sum":
+            continue
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[r[unit_at]]
+        name = r[name_at].split("(")[0].split("<")[0][:60]
+        per_name[name] += float(r[value_at].replace(",", "")) * scale
+        n[name] += 1
+    total = sum(per_name.values())
+    print(f"{path}: {sum(n.values())} kernels, {total / args.steps:.1f} us per step, "
+          f"{total / args.steps / args.layers:.2f} us per layer-step (incl. the head)")
+    for name, us in sorted(per_name.items(), key=lambda kv: -kv[1]):
+        print(f"  {us / args.steps:9.2f} us/step  {n[name] / args.steps:6.1f} calls/step  {name}")
+
+
+if args.summarize:
+    summarize(args.summarize)
+    sys.exit(0)
+
+import mlx.core as mx  # noqa: E402
+
+from benchmarks.e2e import SIZES, as_shipped, random_model  # noqa: E402
+from registry.integrations.mlx_lm import make_own_cache, make_prompt_cache  # noqa: E402
+
+cuda = ctypes.CDLL("libcuda.so.1")
+model = random_model(dict(SIZES[args.size].config, num_hidden_layers=args.layers), mx.bfloat16)
+make = make_prompt_cache if args.cache == "fused_cache" else make_own_cache
+with as_shipped(args.cache, model):
+    cache = make(model)
+    y = mx.argmax(model(mx.array([[1] * args.prompt]), cache=cache)[:, -1], axis=-1)
+    for _ in range(3):                                   # warm: plans bound, graphs cached
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        mx.eval(y)
+    mx.synchronize()
+    cuda.cuProfilerStart()
+    for _ in range(args.steps):
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        mx.eval(y)
+    mx.synchronize()
+    cuda.cuProfilerStop()
+print(f"{args.size} x{args.layers} layers, {args.cache}: {args.steps} steps profiled", flush=True)
