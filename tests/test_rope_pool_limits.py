@@ -46,10 +46,10 @@ def test_duplicate_valid_slots_are_refused_when_checked(make_kernel, batch):
 @pytest.mark.parametrize("batch", [None, 2], ids=["slot-major", "head-major"])
 def test_unchecked_duplicate_slots_write_one_of_the_rows(make_kernel, batch):
     """The caller's contract when unchecked: every element of the slot's k and v rows is that element
-    of one of its tokens' rows (which token is unspecified, docs/kernel-abi.md); the native kernels
-    write whole rows (each of k and v is one token's row), while MLX's scatter on CUDA, which the
-    reference path uses, resolves a repeated index element by element. Every other row is as it
-    would be without the repeat, nothing else changes."""
+    of one of its tokens' rows (which token is unspecified and may differ element by element,
+    docs/kernel-abi.md: the CUDA kernel spreads a decode row over a thread per feature pair, and MLX's
+    scatter on CUDA, which the reference path uses, resolves a repeated index per element). Every
+    other row is as it would be without the repeat, nothing else changes."""
     rope = RopeConfig(32)
     slots = [2, 5, 2, 2**31 - 1, 0, 5]
     args = make_case(len(slots), 4, 2, 32, 6, "float16", slots, batch=batch)
@@ -57,14 +57,11 @@ def test_unchecked_duplicate_slots_write_one_of_the_rows(make_kernel, batch):
     kernel = make_kernel(rope)
     _, k_rot, kp, vp = kernel(*args[:5], mx.array(args[5]), mx.array(args[6]), check_slots=False)
     k_rows, v_rows = by_slot(to_np(kp)), by_slot(to_np(vp))
-    whole_rows = kernel.implementation != "reference"
     for slot, tokens in ((2, (0, 2)), (5, (1, 5)), (0, (4,))):
         for what, got, rows in (("k", k_rows[slot], [to_np(k_rot[t]) for t in tokens]),
                                 ("v", v_rows[slot], [to_np(args[2][t]) for t in tokens])):
             assert np.all(np.any([got == r for r in rows], axis=0)), \
                 f"slot {slot}: some {what} element is none of tokens {tokens}' elements"
-            if whole_rows:
-                assert any(np.array_equal(got, r) for r in rows), f"slot {slot} holds none of tokens {tokens}' {what} rows"
     untouched = [s for s in range(by_slot(before).shape[0]) if s not in (0, 2, 5)]
     np.testing.assert_array_equal(k_rows[untouched], before[untouched])
 

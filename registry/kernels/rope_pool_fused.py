@@ -11,7 +11,7 @@ The first `rope.rotary_dims` features rotate, the rest pass through (in the outp
 slots[t] < 0 rotates only. check_slots=True (one host sync) refuses slots >= the pool's slot count
 (S, or B * S), a valid slot given twice, and positions outside [0, 2^24]; with check_slots=False
 the kernels still never write out of range, but which token's row lands on a repeated slot is
-unspecified, and any int32 position gives angle = float(position) * pos_scale * inv_freq.
+unspecified (per element), and any int32 position gives angle = float(position) * pos_scale * inv_freq.
 The pools come back updated; the native path updates them in place (the returned arrays share the
 buffers passed in), so always rebind: `q, k, k_pool, v_pool = kernel(...)`.
 
