@@ -199,25 +199,13 @@ def run_engine(engine, prompts, n) -> Run:
     return Run([r.generated for r in reqs], t1 - t0, t2 - t1, logits)
 
 
-@contextlib.contextmanager
 def plain_ropes(model):
-    """Stock mlx-lm exactly as shipped: the drop-in cache's SwitchRopes (pass-through for mlx-lm's
-    own caches, about 1 us per rope call on the H200) taken out for the block, then put back."""
-    from registry.integrations.mlx_lm import find_attention_layers, rope_attr
-    from registry.integrations.mlx_lm_cache import SwitchRope
+    """Stock mlx-lm exactly as shipped: what the drop-in cache installed on the model (its rope
+    switches, a pass-through for mlx-lm's own caches of about 1 us per rope call on the H200, and its
+    direct attention classes) taken out for the block, then put back (mlx_lm_cache.stock_model)."""
+    from registry.integrations.mlx_lm_cache import stock_model
 
-    swapped = []
-    for attn in find_attention_layers(model)[0].values():
-        attr = rope_attr(attn)
-        switch = getattr(attn, attr) if attr else None
-        if isinstance(switch, SwitchRope):
-            setattr(attn, attr, switch.rope)
-            swapped.append((attn, attr, switch))
-    try:
-        yield
-    finally:
-        for attn, attr, switch in swapped:
-            setattr(attn, attr, switch)
+    return stock_model(model)
 
 
 def as_shipped(mode: str, model):

@@ -62,16 +62,25 @@ def counts(model) -> dict[int, dict]:
 
 # ----------------------------------------------------------------------------- equivalence
 
+DIRECT_EXPECTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3")   # among others: the llama form
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "capture"])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_float32_generate_step_matches_stock(native_artifacts, arch):
-    """Tokens identical, log-probs within 1e-4; every fused layer ran the kernel in every forward."""
+def test_float32_generate_step_matches_stock(native_artifacts, arch, direct):
+    """Tokens identical, log-probs within 1e-4; every fused layer ran the kernel in every forward,
+    through the direct forward where its attention is the llama form, else (and with direct=False)
+    through the rope capture."""
     model = fresh_model(arch)
     want = run(model, stock.make_prompt_cache(model), PROMPT)
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model, direct=direct)
+    fm = mc.fused_model(model)
+    assert all(f.direct == (direct and not f.direct_reason) for f in fm.fusions.values())
+    if arch in DIRECT_EXPECTED:
+        assert all(f.direct == direct for f in fm.fusions.values()), fm.explain()
     got = run(model, cache, PROMPT)
     assert got[0] == want[0], arch
     np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0, err_msg=arch)
-    fm = mc.fused_model(model)
     totals = {f.calls["fused"] + f.calls["rotate_only"] for f in fm.fusions.values()}
     assert len(totals) <= 1 and all(t > NEW for t in totals), totals     # the same forwards in every layer
     for i, c in enumerate(cache):
@@ -203,11 +212,13 @@ def test_max_kv_size_rotating_cache_with_keep(native_artifacts):
     assert run(model, make_prompt_cache(model, max_kv_size=8), [5])[0] == want[0]
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "capture"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "cohere2 (sliding, NoPE global)", "qwen3_next (hybrid)"])
-def test_batch_generator(native_artifacts, arch, monkeypatch):
+def test_batch_generator(native_artifacts, arch, direct, monkeypatch):
     """BatchGenerator with per-request fused caches: merged into BatchKVCache/BatchRotatingKVCache
     (fused, same layer), tokens identical and log-probs within 1e-4 of stock BatchGenerator."""
     model = fresh_model(arch)
+    mc.fused_model(model, direct=direct)
     want = batch_run(model, PROMPTS)
     writers = []
     original = mc._Fused._write
@@ -217,7 +228,7 @@ def test_batch_generator(native_artifacts, arch, monkeypatch):
         return original(self, *a, **kw)
 
     monkeypatch.setattr(mc._Fused, "_write", spy)
-    got = batch_run(model, PROMPTS, caches=[make_prompt_cache(model) for _ in PROMPTS])
+    got = batch_run(model, PROMPTS, caches=[make_prompt_cache(model, direct=direct) for _ in PROMPTS])
     assert got[0] == want[0]
     for a, b in zip(got[1], want[1]):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
@@ -295,6 +306,65 @@ def test_capture_and_its_fallback_give_mlx_lm_results(native_artifacts, extra_ro
     else:
         assert f.calls["fused"] == 1 and not f.fallback
     assert cache[0].offset == 3
+
+
+# ----------------------------------------------------------------------------- the direct forward
+
+def test_direct_forward_is_checked_per_layer(native_artifacts):
+    """The llama form is checked by running it: a module whose forward differs (here: its output
+    scaled) keeps the rope capture with the reason, and still gives its own results."""
+    llama = import_mlx_lm_module("llama")
+    model = fresh_model("llama")
+    attn0 = model.model.layers[0].self_attn
+
+    class Scaled(llama.Attention):
+        def __call__(self, x, mask=None, cache=None):
+            return 2 * super().__call__(x, mask, cache)
+
+    attn0.__class__ = Scaled
+    want = run(model, stock.make_prompt_cache(model), PROMPT)
+    got = run(model, make_prompt_cache(model), PROMPT)
+    fm = mc.fused_model(model)
+    assert not fm.fusions[0].direct and "differs from the llama form" in fm.fusions[0].direct_reason
+    assert type(attn0) is Scaled and "rope capture (its forward differs" in fm.explain()
+    attn1 = model.model.layers[1].self_attn
+    assert fm.fusions[1].direct and type(attn1).__name__ == "Attention" and isinstance(attn1, llama.Attention)
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
+    assert fm.fusions[0].calls["fused"] > NEW and fm.fusions[1].calls["fused"] > NEW
+
+
+def test_direct_update_of_another_layers_cache_runs_the_stock_step(native_artifacts):
+    """A fused cache handed to another layer's attention (here: the two layers' caches swapped) is
+    written the stock way there, so the model computes what stock mlx-lm computes with that list."""
+    model = fresh_model("llama")
+    ref = stock.make_prompt_cache(model)
+    want = run(model, [ref[1], ref[0]], PROMPT)
+    cache = make_prompt_cache(model)
+    got = run(model, [cache[1], cache[0]], PROMPT)
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
+    assert all(v["stock"] > NEW and not v.get("fused") for v in counts(model).values())
+
+
+def test_direct_switch_and_stock_model(monkeypatch):
+    """MLX_AOT_DIRECT_ATTENTION=0 (or direct=False) keeps every layer on the capture; direct=True
+    installs it again; stock_model takes out everything make_prompt_cache installed, for a block."""
+    llama = import_mlx_lm_module("llama")
+    model = fresh_model("llama")
+    attn = model.model.layers[0].self_attn
+    monkeypatch.setenv("MLX_AOT_DIRECT_ATTENTION", "0")
+    make_prompt_cache(model)
+    assert type(attn) is llama.Attention and not any(f.direct for f in mc.fused_model(model).fusions.values())
+    make_prompt_cache(model, direct=True)
+    assert type(attn) is not llama.Attention and all(f.direct for f in mc.fused_model(model).fusions.values())
+    switch, cls = attn.rope, type(attn)
+    with mc.stock_model(model):
+        assert type(attn) is llama.Attention and attn.rope is switch.rope
+    assert type(attn) is cls and attn.rope is switch
+    monkeypatch.setenv("MLX_AOT_DIRECT_ATTENTION", "maybe")
+    with pytest.raises(Exception, match="MLX_AOT_DIRECT_ATTENTION='maybe'"):
+        make_prompt_cache(model)
 
 
 def test_offsets_outside_model_code_are_plain():

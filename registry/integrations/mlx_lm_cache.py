@@ -9,8 +9,12 @@ attention reads a slice of it, as with mlx-lm's own cache.
 
 How the rope call reaches the cache write when the user calls mlx-lm directly: the attention runs
 `q = self.rope(q, offset=cache.offset)`, `k = self.rope(k, offset=cache.offset)`, then
-`cache.update_and_fetch(k, v)`. make_prompt_cache installs a `SwitchRope` in place of each fused
-layer's rope, permanently. When model code (an `mlx_lm.models.*` module other than the cache
+`cache.update_and_fetch(k, v)`. Two ways, both installed by make_prompt_cache, permanently:
+  - direct (direct_attention.py): a fused layer whose attention is the llama form (checked by running
+    it) gets a subclass of its class whose forward, given one of these caches, runs that form with
+    the two rope calls and the cache write as one `cache.direct_update` call: no capture at all;
+  - the rope capture, for every other fused layer (and with MLX_AOT_DIRECT_ATTENTION=0), below.
+The capture: make_prompt_cache installs a `SwitchRope` in place of each fused layer's rope. When model code (an `mlx_lm.models.*` module other than the cache
 module) reads a fused cache's `offset`, it gets an object of its own (a fresh int subclass, or the
 batch caches' offset array) and the layer's switch is told to expect it; a rope call with that very
 object (identity) returns a lazy NaN placeholder and is recorded for that cache
@@ -38,6 +42,7 @@ mlx-lm loads; `load_prompt_cache(path, model)` here loads it and re-binds the fu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import sys
@@ -48,8 +53,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from . import direct_attention
 from ._capture import (DataflowError, RopeCall, RopeCapture, rebind, resolve, resolve_with_module_rope,
                        split_calls)
+from .. import envs
 from ..native import device_indices
 from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, import_mlx_lm_module,
                      kv_cache_path, rope_attr)
@@ -147,11 +154,20 @@ class Fusion:
     switch: SwitchRope
     calls: Counter = field(default_factory=Counter)   # 'fused' | 'rotate_only' | 'stock' (+ last fallback reason)
     fallback: str = ""
+    direct: bool = False       # the attention runs direct_attention's form (else: the rope capture)
+    direct_reason: str = ""    # why not, when direct attention was asked for
 
     @property
     def reason(self) -> str:
         k = self.kernel
         return f"rope_pool_fused ({k.implementation}{f': {k.reason}' if k.reason else ''})"
+
+    @property
+    def path(self) -> str:
+        """How the attention reaches the kernel: 'direct forward' or 'rope capture (why not direct)'."""
+        if self.direct:
+            return "direct forward"
+        return f"rope capture{f' ({self.direct_reason})' if self.direct_reason else ''}"
 
 
 # ----------------------------------------------------------------------------- positions and slots
@@ -238,6 +254,36 @@ class _Fused:
                 new.__dict__[k] = v if k == "_fusion" else copy.deepcopy(v, memo)
         return new
 
+    def update_and_fetch(self, keys, values):
+        """mlx-lm's update_and_fetch after the attention's two rope calls: the capture's path (the
+        direct forward calls direct_update instead)."""
+        calls, keys = self._captured(keys, values)
+        if calls is None:
+            return super().update_and_fetch(keys, values)
+        q_call, k_call = calls
+        q, k, keys, values = self.fused_update(q_call.x, k_call.x, values)
+        # The kernel's q and k have the shapes of its inputs, which the placeholders were made like.
+        rebind(q_call.ph, q)
+        rebind(k_call.ph, k)                 # free unless the attention reads its keys again
+        return keys, values
+
+    def direct_update(self, attn, q: mx.array, k: mx.array, v: mx.array):
+        """direct_attention's step: (rotated q, keys, values) as the attention's two rope calls and
+        update_and_fetch would give them, in one kernel call when this cache is fused for attn's layer
+        (its rope is this layer's switch); else those three calls as written."""
+        f = self._fusion
+        if f is None or f.switch is not attn.rope:
+            return direct_attention.stock_step(self, attn, q, k, v)
+        if not q.dtype == k.dtype == v.dtype:
+            f.fallback = "q, k and v dtypes differ"
+            return direct_attention.stock_step(self, attn, q, k, v)
+        q, _, keys, values = self.fused_update(q, k, v)
+        return q, keys, values
+
+    def _stock_update(self, keys, values):
+        """mlx-lm's own update_and_fetch of this cache's class."""
+        return super().update_and_fetch(keys, values)
+
     def _captured(self, keys: mx.array, values: mx.array):
         """(q call, k call) when this forward's two rope calls were recorded for this cache, else
         None: then the keys already hold the original rope's output and the write is mlx-lm's."""
@@ -269,37 +315,30 @@ class _Fused:
             return None, resolve_with_module_rope(cap, keys)
         return (q_call, k_call), keys
 
-    def _rotate_only(self, calls, values, positions) -> mx.array:
-        """One kernel call rotating q and k with the write skipped; resolves q, returns rotated k."""
-        q_call, k_call = calls
-        q, k = q_call.x, k_call.x
+    def _rotate_only(self, q, k, values, positions) -> tuple[mx.array, mx.array]:
+        """One kernel call rotating q and k with the write skipped: (rotated q, rotated k)."""
         B, Hkv, L, D = k.shape
         kp, vp = _dummy_pools(Hkv, D, k.dtype)
         slots = mx.full((B * L,), -1, dtype=mx.int32)
         q_rot, k_rot, kp, vp = self._fusion.kernel(q, k, values, positions, slots, kp, vp, check_slots=False)
         _DUMMY_POOLS[(Hkv, D, k.dtype)] = (kp, vp)          # rebind, as with any in-place output
-        rebind(q_call.ph, q_rot)                          # the kernel's q and k have the placeholders' shapes
-        rebind(k_call.ph, k_rot)
         self._fusion.calls["rotate_only"] += 1
-        return k_rot
+        return q_rot, k_rot
 
-    def _write(self, calls, values, positions, slots) -> None:
-        """One kernel call: rotate q and k, write k and v into self.keys/self.values at `slots`. The
-        kernel reads the attention's [B, H, L, D] views as they are (strided: token t = b * L + l, the
-        order of positions and slots) and returns q and k in that shape."""
-        q_call, k_call = calls
+    def _write(self, q, k, values, positions, slots) -> tuple[mx.array, mx.array]:
+        """One kernel call: rotate q and k, write k and v into self.keys/self.values at `slots`;
+        returns (rotated q, rotated k). The kernel reads the attention's [B, H, L, D] views as they
+        are (strided: token t = b * L + l, the order of positions and slots) and returns q and k in
+        that shape."""
         f = self._fusion
         # This cache's own stream of launches (kernel.last_bound): steady decode calls launch the last
         # signature's plan directly, the launcher refusing any other shapes or dtypes.
         last = self.__dict__.get("_launch")
         if last is None or last[0] is not f:
             last = self.__dict__["_launch"] = (f, f.kernel.last_bound())
-        q_rot, k_rot, self.keys, self.values = last[1](q_call.x, k_call.x, values, positions, slots, self.keys,
-                                                       self.values)
-        # The kernel's q and k have the shapes of its inputs, which the placeholders were made like.
-        rebind(q_call.ph, q_rot)
-        rebind(k_call.ph, k_rot)                 # free unless the attention reads its keys again
-        self._fusion.calls["fused"] += 1
+        q_rot, k_rot, self.keys, self.values = last[1](q, k, values, positions, slots, self.keys, self.values)
+        f.calls["fused"] += 1
+        return q_rot, k_rot
 
     def _grow(self, rows: int, keys: mx.array, values: mx.array, B: int | None = None) -> None:
         """Append `rows` zero rows to the buffers (allocating them when empty): the only copy."""
@@ -362,18 +401,16 @@ class KVCache(_Fused, _stock.KVCache):
         super().__init__()
         self._fusion = fusion
 
-    def update_and_fetch(self, keys, values):
-        calls, keys = self._captured(keys, values)
-        if calls is None:
-            return super().update_and_fetch(keys, values)
-        prev, (B, _, L, _) = self.__dict__["_fused_off"], keys.shape
-        self._room(prev, keys, values)
+    def fused_update(self, q, k, v):
+        """(rotated q, rotated k, keys, values): one kernel call writing rows [offset, offset + L)."""
+        prev, (B, _, L, _) = self.__dict__["_fused_off"], k.shape
+        self._room(prev, k, v)
         S = self.keys.shape[2]
-        self._write(calls, values, *_int_index(prev, L, B, S, prev, self._fusion.kernel.backend))
+        q, k = self._write(q, k, v, *_int_index(prev, L, B, S, prev, self._fusion.kernel.backend))
         n = self.__dict__["_fused_off"] = prev + L
         if n < S:
-            return self.keys[:, :, :n], self.values[:, :, :n]     # [..., :n, :] parses slower (4-D buffers)
-        return self.keys, self.values
+            return q, k, self.keys[:, :, :n], self.values[:, :, :n]     # [..., :n, :] parses slower (4-D buffers)
+        return q, k, self.keys, self.values
 
     @classmethod
     def merge(cls, caches):
@@ -387,21 +424,21 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
         super().__init__(max_size, keep)
         self._fusion = fusion
 
-    def update_and_fetch(self, keys, values):
-        calls, keys = self._captured(keys, values)
-        if calls is None:
-            return super().update_and_fetch(keys, values)
-        prev, (B, _, L, _) = self.__dict__["_fused_off"], keys.shape
+    def fused_update(self, q, k, v):
+        """(rotated q, rotated k, keys, values): decode writes the ring slot in one kernel call; a
+        prefill chunk rotates in one call, then mlx-lm's own concatenation."""
+        prev, (B, _, L, _) = self.__dict__["_fused_off"], k.shape
         if L > 1:
             positions, _ = _int_index(0, L, B, 0, prev, self._fusion.kernel.backend)
-            return super().update_and_fetch(self._rotate_only(calls, values, positions), values)
-        self._ring_slot(prev, keys, values)
+            q, k = self._rotate_only(q, k, v, positions)
+            return (q, k, *self._stock_update(k, v))
+        self._ring_slot(prev, k, v)
         if self._idx == self.max_size:
             self._idx = self.keep
-        self._write(calls, values, *_int_index(self._idx, 1, B, self.keys.shape[2], prev, self._fusion.kernel.backend))
+        q, k = self._write(q, k, v, *_int_index(self._idx, 1, B, self.keys.shape[2], prev, self._fusion.kernel.backend))
         self.offset = prev + 1
         self._idx += 1
-        return self.keys_and_values()
+        return (q, k, *self.keys_and_values())
 
     @classmethod
     def merge(cls, caches):
@@ -428,17 +465,15 @@ class BatchKVCache(_Fused, _stock.BatchKVCache):
         super().__init__(left_padding)
         self._fusion = fusion
 
-    def update_and_fetch(self, keys, values):
-        calls, keys = self._captured(keys, values)
-        if calls is None:
-            return super().update_and_fetch(keys, values)
-        prev, L = self._idx, keys.shape[2]
-        self._room(prev, keys, values)
-        self._write(calls, values, *_batch_index(self.__dict__["_fused_off"], prev, L, self.keys.shape[2],
-                                                           self._fusion.kernel.backend))
+    def fused_update(self, q, k, v):
+        """(rotated q, rotated k, keys, values): one kernel call writing rows [_idx, _idx + L) of every row."""
+        prev, L = self._idx, k.shape[2]
+        self._room(prev, k, v)
+        q, k = self._write(q, k, v, *_batch_index(self.__dict__["_fused_off"], prev, L, self.keys.shape[2],
+                                                  self._fusion.kernel.backend))
         self.offset = self.__dict__["_fused_off"] + L
         self._idx += L
-        return self.keys_and_values()
+        return (q, k, *self.keys_and_values())
 
     def extract(self, idx):
         return _rebind(super().extract(idx), [self])
@@ -452,17 +487,16 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
         super().__init__(max_size, left_padding)
         self._fusion = fusion
 
-    def update_and_fetch(self, keys, values):
-        calls, keys = self._captured(keys, values)
-        if calls is None:
-            return super().update_and_fetch(keys, values)
-        off, L = self.__dict__["_fused_off"], keys.shape[2]
+    def fused_update(self, q, k, v):
+        """(rotated q, rotated k, keys, values), as RotatingKVCache's, per batch row."""
+        off, L = self.__dict__["_fused_off"], k.shape[2]
         if L > 1:
             positions, _ = _batch_index(off, 0, L, 0, self._fusion.kernel.backend)
-            return super().update_and_fetch(self._rotate_only(calls, values, positions), values)
+            q, k = self._rotate_only(q, k, v, positions)
+            return (q, k, *self._stock_update(k, v))
         if self._lengths is not None:
             raise RuntimeError("finalize() should be called before decoding with BatchRotatingKVCache")
-        excess = self._ring_slot(self._offset, keys, values)
+        excess = self._ring_slot(self._offset, k, v)
         if excess:
             self.left_padding -= excess
         if self._idx == self.max_size:
@@ -470,14 +504,14 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
             self._idx = 0
         if self.rotated:
             self.left_padding -= 1
-        self._write(calls, values, *_batch_index(off, self._idx, 1, self.keys.shape[2], self._fusion.kernel.backend))
+        q, k = self._write(q, k, v, *_batch_index(off, self._idx, 1, self.keys.shape[2], self._fusion.kernel.backend))
         self._offset += 1
         self.offset = off + 1
         self._idx += 1
-        k, v = self.keys_and_values()
+        keys, values = self.keys_and_values()
         # As mlx-lm: evaluating the keys evaluates left_padding and offset (on the returned view,
         # so the stored buffer stays the kernel's output and the next call writes it in place).
-        return mx.depends(k, (self.left_padding, self.__dict__["_fused_off"])), v
+        return q, k, mx.depends(keys, (self.left_padding, self.__dict__["_fused_off"])), values
 
     def extract(self, idx):
         return _rebind(super().extract(idx), [self])
@@ -524,13 +558,14 @@ class FusedModel:
     fusions: dict[int, Fusion]
     reasons: dict[int, str]
     signature: tuple = ()      # the attention modules' children: model.shard() replaces them
+    direct: bool = False       # direct attention was asked for (each Fusion says whether its layer got it)
 
     def explain(self) -> str:
         from .mlx_lm import ranges
 
         groups: dict[str, list[int]] = {}
         for i, f in self.fusions.items():
-            groups.setdefault(f"fused: {f.reason}", []).append(i)
+            groups.setdefault(f"fused: {f.reason}, {f.path}", []).append(i)
         for i, r in self.reasons.items():
             groups.setdefault(f"mlx-lm's own cache: {r}", []).append(i)
         lines = [f"layers {ranges(sorted(ls))}: {what}" for what, ls in groups.items()]
@@ -565,12 +600,18 @@ def _signature(attn_layers: dict) -> tuple:
     return tuple((i, tuple(id(m) for m in attn.children().values())) for i, attn in attn_layers.items())
 
 
-def fused_model(model, *, kernels: ModelKernels | None = None) -> FusedModel:
-    """The model's FusedModel, built (tracing the model, installing the SwitchRopes) on first use."""
-    attn_layers = find_attention_layers(model)[0]
+def fused_model(model, *, kernels: ModelKernels | None = None, direct: bool | None = None) -> FusedModel:
+    """The model's FusedModel, built (tracing the model, installing the SwitchRopes and the direct
+    attention classes) on first use. direct: install direct attention where the layer runs the llama
+    form, or take it out; None: as the model has it (a new one: MLX_AOT_DIRECT_ATTENTION, on by
+    default). Changing it re-decides only that."""
+    attn_layers, _, own = find_attention_layers(model)
     state = getattr(model, _STATE_ATTR, None)
     if state is not None and kernels is None and state.signature == _signature(attn_layers):
+        if direct is not None and state.direct != bool(direct):
+            _set_direct(state, attn_layers, own, bool(direct))
         return state
+    direct = envs.get_flag("MLX_AOT_DIRECT_ATTENTION") if direct is None else bool(direct)
     kernels = kernels if kernels is not None else build_kernel_sets(model)
     if not kernels.traced:
         raise ValueError("make_prompt_cache: the kernel sets must be traced (build_kernel_sets(model, trace=True)): "
@@ -588,8 +629,50 @@ def fused_model(model, *, kernels: ModelKernels | None = None) -> FusedModel:
             setattr(attn, attr, switch)
         fusions[i] = Fusion(i, kernels.by_layer[i].rope, switch)
     state = FusedModel(kernels, fusions, reasons, _signature(attn_layers))   # after the switches went in
+    _set_direct(state, attn_layers, own, direct)
     object.__setattr__(model, _STATE_ATTR, state)     # a plain attribute: not part of the module tree
     return state
+
+
+def _set_direct(state: FusedModel, attn_layers: dict, own: list, direct: bool) -> None:
+    """Install (checked per layer: direct_attention.direct_reason) or take out the direct attention
+    classes of the fused layers."""
+    for i, f in state.fusions.items():
+        attn = attn_layers[i]
+        direct_attention.uninstall(attn)            # the check runs the module's own class
+        f.direct, f.direct_reason = False, ""
+        if not direct:
+            continue
+        entry = own[i]
+        stock_cache = cache_at(entry, kv_cache_path(entry))
+        f.direct_reason = direct_attention.direct_reason(attn, lambda: copy.deepcopy(stock_cache))
+        if not f.direct_reason:
+            direct_attention.install(attn)
+            f.direct = True
+    state.direct = direct
+
+
+@contextlib.contextmanager
+def stock_model(model):
+    """mlx-lm's model exactly as shipped for the block (the rope switches and direct attention
+    classes make_prompt_cache installed taken out), then as make_prompt_cache left it."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        yield model
+        return
+    attn_layers = find_attention_layers(model)[0]
+    taken = []
+    for i, f in state.fusions.items():
+        attn, attr = attn_layers[i], rope_attr(attn_layers[i])
+        taken.append((attn, type(attn), attr, getattr(attn, attr)))
+        direct_attention.uninstall(attn)
+        setattr(attn, attr, f.switch.rope)
+    try:
+        yield model
+    finally:
+        for attn, cls, attr, switch in taken:
+            setattr(attn, attr, switch)
+            attn.__class__ = cls
 
 
 def _bind_entry(entry, fm: FusedModel, i: int):
@@ -623,14 +706,19 @@ def _replace(entry, path, new):
     return entry
 
 
-def make_prompt_cache(model, max_kv_size: int | None = None, *, kernels: ModelKernels | None = None) -> list:
+def make_prompt_cache(model, max_kv_size: int | None = None, *, kernels: ModelKernels | None = None,
+                      direct: bool | None = None) -> list:
     """mlx-lm's make_prompt_cache(model, max_kv_size) with the KV caches of the fused layers replaced
     by the fused classes of this module; pass it as `prompt_cache=` to mlx-lm's generate_step,
-    generate or stream_generate, or per request to BatchGenerator.insert(caches=...)."""
+    generate or stream_generate, or per request to BatchGenerator.insert(caches=...). direct: whether
+    the fused layers whose attention is the llama form run direct_attention's forward (None:
+    MLX_AOT_DIRECT_ATTENTION, on by default); it applies to the model, so to its earlier caches too."""
     if max_kv_size is not None and (not isinstance(max_kv_size, int) or isinstance(max_kv_size, bool)
                                     or max_kv_size < 1):
         raise ValueError(f"make_prompt_cache: max_kv_size must be a positive int or None, got {max_kv_size!r}")
-    fm = fused_model(model, kernels=kernels)
+    if direct is None:
+        direct = envs.get_flag("MLX_AOT_DIRECT_ATTENTION")
+    fm = fused_model(model, kernels=kernels, direct=direct)
     own = _stock.make_prompt_cache(model, max_kv_size)
     return [_bind_entry(e, fm, i) for i, e in enumerate(own)]
 

@@ -38,7 +38,8 @@ p.add_argument("--layers", type=int, default=0, help="override the size's layer 
 p.add_argument("--build-only", action="store_true")
 p.add_argument("--section", type=int, default=0)
 p.add_argument("--rounds", type=int, default=2)
-p.add_argument("--caches", default="mlx_lm,fused_cache", help="which caches to run (e.g. one, under a profiler)")
+p.add_argument("--caches", default="mlx_lm,fused_cache", help="which caches to run (e.g. one, under a profiler): "
+               "mlx_lm, fused_cache (direct attention where the layer allows it), fused_capture")
 args = p.parse_args()
 
 
@@ -130,7 +131,8 @@ def profile(name, label, model, make):
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
 
 
-_MAKERS = {"mlx_lm": make_own_cache, "fused_cache": make_prompt_cache}
+_MAKERS = {"mlx_lm": make_own_cache, "fused_cache": make_prompt_cache,
+           "fused_capture": lambda model: make_prompt_cache(model, direct=False)}   # every layer through the capture
 unknown = set(args.caches.split(",")) - set(_MAKERS)
 if unknown:
     p.error(f"--caches: unknown {', '.join(sorted(unknown))} (choose from {', '.join(_MAKERS)})")
