@@ -264,10 +264,14 @@ class Modes:
 # ----------------------------------------------------------------------------- agreement check
 
 def teacher_forced_logits(model, cache, prompt: list[int], tokens: list[int]) -> np.ndarray:
-    """float32 logits [len(tokens), V] of `model` on `cache` fed the prompt, then `tokens` one by one."""
+    """float32 logits [len(tokens), V] of `model` on `cache` fed the prompt, then `tokens` one by one,
+    each step evaluated as a decode loop does (one lazy graph of every step would make each cache
+    write wait for the previous step's attention reads, a copy of the fused cache's buffer)."""
     out = [model(mx.array([prompt], dtype=mx.int32), cache=cache)[0, -1]]
+    mx.eval(out[-1])
     for t in tokens[:-1]:
         out.append(model(mx.array([[t]], dtype=mx.int32), cache=cache)[0, -1])
+        mx.eval(out[-1])
     return np.array(mx.stack(out).astype(mx.float32))
 
 

@@ -9,11 +9,13 @@
 // descriptors at every call, and counts buffer owners only the first time it takes a buffer, after
 // waiting for the stream so that no in-flight reference is left.
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <typeinfo>
 #include <unordered_map>
 
 #include "aot_launch.h"
+#include "mlx/primitives.h"  // Primitive::name
 #include "mlx/transforms.h"
 
 namespace mlx_aot {
@@ -66,6 +68,24 @@ bool is_inplace_output_of_launch(const mx::array& a) {
   return false;
 }
 
+// A lazy array whose evaluation allocates a new row-contiguous buffer that only it holds, on every
+// backend (MLX 0.32.4: Concatenate always mallocs its output; Full copies a one-element value as a
+// Scalar copy into a fresh buffer): mx.concatenate and mx.zeros / mx.full(shape, scalar), what the
+// caches grow their buffers with. Such a buffer can be taken without computing it first: only array
+// objects and pending ops (its descriptor's owners) could ever reach it.
+bool is_primitive(const mx::array& a, const char* name) {   // by name: libmlx exports no typeinfo for them
+  return a.has_primitive() && std::strcmp(a.primitive().name(), name) == 0;
+}
+
+bool fresh_by_construction(const mx::array& a) {
+  if (is_primitive(a, "Concatenate")) return true;
+  if (!is_primitive(a, "Full") || a.inputs().size() != 1) return false;
+  const mx::array& value = a.inputs()[0];   // broadcast_to(scalar) for mx.zeros / mx.full(shape, x)
+  if (!value.has_primitive()) return value.data_size() == 1;
+  return value.size() == 1 ||
+         (is_primitive(value, "Broadcast") && value.inputs().size() == 1 && value.inputs()[0].size() == 1);
+}
+
 }  // namespace
 
 InplaceDecision decide_inplace(const std::vector<mx::array>& inputs, int i, mx::StreamOrDevice s) {
@@ -83,8 +103,13 @@ InplaceDecision decide_inplace(const std::vector<mx::array>& inputs, int i, mx::
       if (desc_owners(a) != expected) return {false, "another array object or a pending op refers to it"};
       return {true, ""};
     }
-    // Any other lazy pool (a fresh mx.zeros, say): compute it now, once, and decide as for a computed
-    // one. Its pending readers still hold it, so they are seen below.
+    if (fresh_by_construction(a)) {
+      // A new buffer nothing else can share (the caches' growth): no wait, no first-use check.
+      if (desc_owners(a) != expected) return {false, "another array object or a pending op refers to it"};
+      return {true, ""};
+    }
+    // Any other lazy pool: compute it now, once, and decide as for a computed one. Its pending
+    // readers still hold it, so they are seen below.
     n_syncs++;
     mx::eval(const_cast<mx::array&>(a));
   }

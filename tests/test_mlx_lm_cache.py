@@ -414,6 +414,22 @@ def test_decode_writes_the_buffer_in_place(native_artifacts):
     assert cache[1].keys.shape[2] == 256 and len(ptrs) == 1, ptrs
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "capture"])
+def test_prefill_and_growth_never_wait(native_artifacts, direct):
+    """The buffers a fused cache grows (mx.zeros, then mx.concatenate every 256 rows) are taken in
+    place without computing them first: a prefill and a decode past a growth wait for nothing."""
+    from registry import native
+    model = fresh_model("llama")
+    cache = make_prompt_cache(model, direct=direct)
+    native.reset_stats()
+    mx.eval(model(mx.array([PROMPT * 25]), cache=cache))           # 250 rows
+    for _ in range(10):                                             # grows at 256
+        mx.eval(model(mx.array([[5]]), cache=cache))
+    st = native.stats()
+    assert cache[0].keys.shape[2] == 512 and st["launches"] == 2 * 11
+    assert st["syncs"] == 0 and st["first_use_checks"] == 0 and st["copies"] == 0, st
+
+
 def test_quantized_kv_after_fused_prefill_and_slot_engine_still_work(native_artifacts):
     """generate_step(kv_bits=...) turns the fused KVCache into mlx-lm's QuantizedKVCache (its own
     to_quantized) and continues as stock mlx-lm; the slot engine runs on a model with switches."""

@@ -461,20 +461,51 @@ def test_launcher_argument_errors(native_artifacts):
                       grid=(1, 1, 1), threadgroup=(0, 1, 1))
 
 
-def test_a_fresh_lazy_pool_is_computed_and_written_in_place(native_artifacts):
-    """A pool that is not computed yet (mx.zeros straight into the first call) is computed once and
-    then taken like a computed one: no copy, and every later call writes the same buffer."""
+@pytest.mark.parametrize("make", ["zeros", "full", "concatenate"])
+def test_a_fresh_lazy_pool_is_written_in_place_without_a_wait(native_artifacts, make):
+    """A pool not computed yet whose evaluation allocates a buffer only it holds (mx.zeros,
+    mx.full(shape, scalar), mx.concatenate: what the caches grow their buffers with) is taken in
+    place as it is: no wait, no first-use check, no copy, and every later call writes the same buffer."""
     from registry import native
     kernel = native_kernel(RopeConfig(64))
     q, k, v, pos, slots, _, _ = make_case(2, 4, 2, 64, 8, "float32", [0, 1])
     mx.eval(q, k, v, pos, slots)
+    half = mx.zeros((4, 2, 64))
+    mx.eval(half)
+    fresh = {"zeros": lambda: mx.zeros((8, 2, 64)), "full": lambda: mx.full((8, 2, 64), 0.0),
+             "concatenate": lambda: mx.concatenate([half, half])}[make]
     before = native.stats()
-    _, _, kp, vp = kernel(q, k, v, pos, slots, mx.zeros((8, 2, 64)), mx.zeros((8, 2, 64)))
+    _, _, kp, vp = kernel(q, k, v, pos, slots, fresh(), fresh())
+    assert native.stats()["syncs"] == before["syncs"]            # decided before anything ran
     first = data_ptr(kp), data_ptr(vp)
     _, _, kp, vp = kernel(q, k, v, pos, slots + 2, kp, vp)
     assert (data_ptr(kp), data_ptr(vp)) == first
     after = native.stats()
     assert after["copies"] == before["copies"] and after["aliased"] - before["aliased"] == 4
+    assert after["syncs"] == before["syncs"] and after["first_use_checks"] == before["first_use_checks"]
+    np.testing.assert_array_equal(np.array(kp[2:4]), np.array(kernel(q, k, v, pos, slots, kp, vp)[1]))
+
+
+def test_other_lazy_pools_are_computed_first_or_copied(native_artifacts):
+    """A lazy pool of any other op (it may share a buffer, e.g. a view) is computed once and then
+    decided like a computed one; a fresh one that a pending op still reads is copied."""
+    from registry import native
+    kernel = native_kernel(RopeConfig(64))
+    q, k, v, pos, slots, _, _ = make_case(2, 4, 2, 64, 8, "float32", [0, 1])
+    mx.eval(q, k, v, pos, slots)
+    before = native.stats()
+    _, _, kp, vp = kernel(q, k, v, pos, slots, mx.zeros((8, 2, 64)) + 1, mx.full((8, 2, 64), mx.zeros((8, 2, 64))))
+    mx.eval(kp, vp)
+    after = native.stats()
+    assert after["syncs"] - before["syncs"] >= 2 and after["first_use_checks"] - before["first_use_checks"] == 2
+    assert after["copies"] == before["copies"]
+    np.testing.assert_array_equal(np.array(kp[2:]), np.ones((6, 2, 64), np.float32))
+    pool = mx.zeros((8, 2, 64))
+    reader = pool * 2                                # pending: reads the old (zero) contents
+    _, _, kp2, _ = kernel(q, k, v, pos, slots, pool, mx.zeros((8, 2, 64)))
+    mx.eval(kp2, reader)
+    assert native.stats()["copies"] == after["copies"] + 1
+    np.testing.assert_array_equal(np.array(reader), np.zeros((8, 2, 64), np.float32))
 
 
 def test_a_plan_launched_on_other_shapes_is_an_error(native_artifacts):
