@@ -6,16 +6,19 @@ kernel unmodified, but its Python per layer (offset objects, placeholders, check
 more host time than the four stock nodes it replaces: in host-bound decode that decides the step.
 Most mlx-lm attention classes (llama, mistral, qwen2, qwen3, ...) run one form:
 
-    q, k, v = q_proj(x), k_proj(x), v_proj(x), each as [B, L, H, D]
+    q, k, v = q_proj(x), k_proj(x), v_proj(x), each as [B, H, L, D]
     q, k = q_norm(q), k_norm(k)                     (only where the module has both norms)
-    q, k, v = each as [B, H, L, D]
     q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
-    k, v = cache.update_and_fetch(k, v)             <- these two lines: one kernel call
+    k, v = cache.update_and_fetch(k, v)             <- these lines: one kernel call
     o_proj(sdpa(q, k, v, cache=cache, scale=scale, mask=mask) as [B, L, H * D])
+
+(a per-head norm gives the same bits before or after the [B, L, H, D] -> [B, H, L, D] transpose, so
+qwen3's norm-then-transpose runs this form too: the check below is what says so).
 
 For such a module make_prompt_cache swaps its class for a subclass (same name) whose forward, given
 a cache with `direct_update` (the drop-in caches), runs this form with the marked lines as
-`cache.direct_update(attn, q, k, v)`; with any other cache (mlx-lm's own, the slot engine's, none)
+`cache.direct_update(attn, q, k, v, norms)` (norms: the marked lines include the q/k norms,
+which the cache may apply in the kernel too: qk_norm_rope_pool_fused); with any other cache (mlx-lm's own, the slot engine's, none)
 it runs the class's own forward. Which modules run the form is checked, not assumed:
 `direct_reason` runs the module's own forward and the form as written above on random input (a
 4-token prefill, then one decode token, with the layer's own mlx-lm cache class) and requires
@@ -34,8 +37,10 @@ _ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads
 FORM = "the llama form"                # the module docstring spells it out
 
 
-def stock_step(cache, attn, q: mx.array, k: mx.array, v: mx.array):
-    """The form's rope + cache write as mlx-lm's attention code writes them: (q, keys, values)."""
+def stock_step(cache, attn, q: mx.array, k: mx.array, v: mx.array, norms: bool):
+    """The form's norms, rope and cache write as mlx-lm's attention code writes them: (q, keys, values)."""
+    if norms:
+        q, k = attn.q_norm(q), attn.k_norm(k)
     q = attn.rope(q, offset=cache.offset)
     k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
@@ -44,12 +49,10 @@ def stock_step(cache, attn, q: mx.array, k: mx.array, v: mx.array):
 
 def _form(attn, x: mx.array, mask, cache, step: Callable, norms: bool, sdpa: Callable) -> mx.array:
     B, L, _ = x.shape
-    q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1)
-    k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)
+    q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if norms:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, keys, values = step(cache, attn, q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v)
+    q, keys, values = step(cache, attn, q, k, v, norms)
     out = sdpa(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 

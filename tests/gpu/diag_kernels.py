@@ -21,6 +21,7 @@ p.add_argument("--layers", type=int, default=4)
 p.add_argument("--cache", default="fused_cache", choices=("mlx_lm", "fused_cache"))
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--prompt", type=int, default=128)
+p.add_argument("--prefill", action="store_true", help="profile prefills of --prompt tokens (a fresh cache each) instead")
 p.add_argument("--summarize", metavar="CSV", help="print per-step, per-layer kernel times from an ncu CSV log")
 args = p.parse_args()
 
@@ -67,8 +68,12 @@ with as_shipped(args.cache, model):
     mx.synchronize()
     cuda.cuProfilerStart()
     for _ in range(args.steps):
-        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        if args.prefill:
+            y = mx.argmax(model(mx.array([[1] * args.prompt]), cache=make(model))[:, -1], axis=-1)
+        else:
+            y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
         mx.eval(y)
     mx.synchronize()
     cuda.cuProfilerStop()
-print(f"{args.size} x{args.layers} layers, {args.cache}: {args.steps} steps profiled", flush=True)
+print(f"{args.size} x{args.layers} layers, {args.cache}: {args.steps} {'prefills' if args.prefill else 'steps'} "
+      f"profiled", flush=True)

@@ -38,6 +38,8 @@ p.add_argument("--layers", type=int, default=0, help="override the size's layer 
 p.add_argument("--build-only", action="store_true")
 p.add_argument("--section", type=int, default=0)
 p.add_argument("--rounds", type=int, default=2)
+p.add_argument("--prefill", type=int, default=0, help="afterwards, time N prefills of --prompt tokens with each "
+               "cache (a fresh one each), on mlx-lm's generation stream as generate_step runs them")
 p.add_argument("--caches", default="mlx_lm,fused_cache", help="which caches to run (e.g. one, under a profiler): "
                "mlx_lm, fused_cache (direct attention where the layer allows it), fused_capture")
 args = p.parse_args()
@@ -118,6 +120,25 @@ def measure(name, rnd, label, model, make):
           f"queue {1e3 * median(queue):6.3f} ms  copies {st['copies']} syncs {st['syncs']}", flush=True)
 
 
+def measure_prefill(name, rnd, label, model, make):
+    from mlx_lm.generate import generation_stream
+
+    prompt = mx.array([[1] * args.prompt])
+    build, total = [], []
+    for _ in range(args.prefill):
+        cache = make(model)
+        mx.synchronize()
+        with mx.stream(generation_stream):
+            t0 = time.perf_counter()
+            logits = model(prompt, cache=cache)[:, -1]
+            t1 = time.perf_counter()
+            mx.eval(logits, [c.state for c in cache])
+            t2 = time.perf_counter()
+        build.append(t1 - t0), total.append(t2 - t0)
+    print(f"{name} round {rnd} {label:12s} prefill {args.prompt} tokens {1e3 * median(total):7.3f} ms  "
+          f"build {1e3 * median(build):6.3f} ms", flush=True)
+
+
 def profile(name, label, model, make):
     cache, y = prefilled(model, make)
     prof = cProfile.Profile()
@@ -147,6 +168,10 @@ for name in args.sizes.split(","):
     for label, make in CACHES if args.profile else ():
         with as_shipped(label, model):
             profile(name, label, model, make)
+    for rnd in range(args.rounds) if args.prefill else ():
+        for label, make in CACHES:
+            with as_shipped(label, model):
+                measure_prefill(name, rnd, label, model, make)
     for rnd in range(args.rounds) if args.section else ():
         for label, make in CACHES:
             with as_shipped(label, model):
