@@ -22,6 +22,7 @@ from registry.core import backend_of
 from registry.kernels.kv_pool_store import KvPoolStoreKernel
 from registry.kernels.qk_norm_rope_pool_fused import QkNormRopePoolFusedKernel
 from registry.manifest import load_manifest
+from registry.native import device_indices
 from registry.norm import NormConfig
 
 from .cases import AGREEMENT_TOL, DTYPES, FIRST_POSITION, SHAPES, BenchmarkError, Shape, pool_size, rope_for
@@ -148,8 +149,11 @@ def run(kernel_name: str, shapes, tokens, dtypes, layers: int = 32, steps: int =
         kernel = cls.build(spec, cls.context_for(None if cls is KvPoolStoreKernel else (rope, NORM), backend))
         data = _layers(shape, T, DTYPES[dtype_name], layers, seed=i)
         rng = np.random.default_rng(i)
-        slots = mx.array(rng.permutation(pool_size(T))[:T].astype(np.int32))
-        positions = mx.array((FIRST_POSITION + np.arange(T)).astype(np.int32))
+        # In device memory, as the integrations make them (registry.native.device_indices; on CUDA an
+        # array made from host data is managed memory, which every kernel of both sides would read
+        # across the bus).
+        positions, slots = device_indices(backend, FIRST_POSITION + np.arange(T), rng.permutation(pool_size(T))[:T])
+        mx.eval(positions, slots)
         if check:
             _check(kernel_name, kernel, rope, data[0], positions, slots, dtype_name)
         cell = MicroCell(kernel_name, shape_name, T, dtype_name, kernel.implementation)

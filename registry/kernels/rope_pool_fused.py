@@ -10,14 +10,12 @@ layout; slot = b * S + s), told apart by their rank.
 The first `rope.rotary_dims` features rotate, the rest pass through (in the outputs and the pool).
 slots[t] < 0 rotates only. check_slots=True (one host sync) refuses slots >= the pool's slot count
 (S, or B * S), a valid slot given twice, and positions outside [0, 2^24]; with check_slots=False
-the kernels still never write out of range, but which token's row lands on a repeated slot is
-unspecified (per element), and any int32 position gives angle = float(position) * pos_scale * inv_freq.
+the kernels still never write out of range, but which token's elements land on a repeated slot is
+unspecified (each element is one of those tokens'), and any int32 position gives
+angle = float(position) * pos_scale * inv_freq.
 The pools come back updated; the native path updates them in place (the returned arrays share the
 buffers passed in), so always rebind: `q, k, k_pool, v_pool = kernel(...)`.
 
-This module is the kernel's thin wrapper: argument validation, the pure-MLX reference (the fallback
-and the oracle the native kernels are tested against), launch geometry, and `build`, which the
-registry calls (kernels.yaml: wrapper).
 This module is the kernel's thin wrapper (registry/kernels/_base.py has the rest): its argument
 contract, the pure-MLX reference (the fallback and the oracle the native kernels are tested
 against), launch geometry and scalars, and `build`, which the registry calls (kernels.yaml: wrapper).

@@ -28,11 +28,17 @@ args = p.parse_args()
 
 def summarize(path: str) -> None:
     per_name, n = defaultdict(float), defaultdict(int)
-    with open(path, newline="") as f:
-        rows = [r for r in csv.reader(f) if len(r) > 10]
+    try:
+        with open(path, newline="") as f:
+            rows = [r for r in csv.reader(f) if len(r) > 10]
+    except OSError as e:
+        sys.exit(f"--summarize {path}: cannot read it ({e.strerror}); pass the --log-file of an ncu --csv run")
+    cols = ("Kernel Name", "Metric Name", "Metric Value", "Metric Unit")
+    if not rows or not all(c in rows[0] for c in cols):
+        sys.exit(f"--summarize {path}: no ncu --csv table with the columns {', '.join(cols)} (did ncu profile "
+                 f"any kernel? it needs --profile-from-start off and this probe's timed steps)")
     head = rows[0]
-    name_at, metric_at, value_at, unit_at = (head.index(c) for c in ("Kernel Name", "Metric Name", "Metric Value",
-                                                                    "Metric Unit"))
+    name_at, metric_at, value_at, unit_at = (head.index(c) for c in cols)
     for r in rows[1:]:
         if r[metric_at] != "gpu__time_duration.sum":
             continue
@@ -56,7 +62,10 @@ import mlx.core as mx  # noqa: E402
 from benchmarks.e2e import SIZES, as_shipped, random_model  # noqa: E402
 from registry.integrations.mlx_lm import make_own_cache, make_prompt_cache  # noqa: E402
 
-cuda = ctypes.CDLL("libcuda.so.1")
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError as e:
+    sys.exit(f"diag_kernels: libcuda.so.1 is not loadable ({e}); run it on the GPU host under ncu (see above)")
 model = random_model(dict(SIZES[args.size].config, num_hidden_layers=args.layers), mx.bfloat16)
 make = make_prompt_cache if args.cache == "fused_cache" else make_own_cache
 with as_shipped(args.cache, model):

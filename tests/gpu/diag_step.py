@@ -13,6 +13,9 @@ other processes of a shared host; the step is evaluated before the next one is b
 device, e.g. this CPU box: `--sizes tiny-llama --layers 16 --prompt 32 --build-only --profile 30`.
 Where mx.fast.rope builds its fallback graph in Python (the CPU), stock mlx-lm's figure includes
 it, so compare the fused cache's us/layer before and after a change rather than the two modes.
+--caches: mlx_lm (stock), fused_cache (the drop-in cache: direct forward where the layer allows it),
+fused_capture (every fused layer through the rope capture).
+--prefill N: afterwards, time N prefills of --prompt tokens per cache on mlx-lm's generation stream.
 --section N: afterwards, time N x 50 runs of one layer's cache section as model code runs it (two
 `cache.offset` reads, two rope calls, update_and_fetch) with each cache, on layer 0's own q/k/v
 shapes, in this thread's CPU time (min and median per run): the part of a layer the two modes do
