@@ -17,7 +17,7 @@ from registry.integrations.mlx_lm import build_model, import_mlx_lm_module
 def test_architecture_name_runs_fused_and_reports(native_artifacts, capsys):
     assert cli.main(["--model", "gemma3", "--prompt", "hello world", "--max-tokens", "6", "--check"]) == 0
     out = capsys.readouterr().out
-    assert "random weights" in out and "layers 0-1: fused: rope_pool_fused (native-" in out
+    assert "random weights" in out and "layers 0-1: fused: qk_norm_rope_pool_fused (native-" in out
     assert re.search(r"Prompt: 11 tokens, [\d.]+ tokens-per-sec", out)
     assert re.search(r"Generation: 6 tokens, [\d.]+ tokens-per-sec", out)
     assert "Peak memory:" in out and "check: identical to mlx-lm's own caches" in out

@@ -91,8 +91,14 @@ def test_float32_generate_step_matches_stock(native_artifacts, arch, direct):
             assert calls["stock"] == 0, (arch, i, calls)
             # rotating caches rotate-only in prefill (L > 1), write in place when decoding
             assert calls["rotate_only"] == (1 if type(inner).__name__ == "RotatingKVCache" else 0)
+            # direct layers with per-head q/k norms right before RoPE run them in the norm kernel
+            f = fm.fusions[i]
+            assert ("_launch_norm" in inner.__dict__) == (f.direct and f.norm_kernel is not None), (arch, i)
+            assert ("_launch" in inner.__dict__) == (not f.direct or f.norm_kernel is None), (arch, i)
         else:
             assert not isinstance(inner, mc._Fused) and c.kernel is None and c.reason, (arch, i)
+    if direct and arch in ("qwen3", "gemma3"):
+        assert all(f.norm_kernel is not None for f in fm.fusions.values())
     # the switches are permanent: mlx-lm's own caches still get mlx-lm's own rope
     assert run(model, stock.make_prompt_cache(model), PROMPT)[0] == want[0]
     assert all(v.get("stock", 0) == 0 for v in counts(model).values())
@@ -111,7 +117,7 @@ def test_which_layers_are_fused(arch):
     assert sorted(fm.fusions) == FUSED_EXPECTED[arch]
     for i, why in fm.reasons.items():
         assert cache[i].kernel is None and cache[i].reason == why and why
-    assert "fused: rope_pool_fused" in fm.explain() or not fm.fusions
+    assert "fused: rope_pool_fused" in fm.explain() or "fused: qk_norm_rope_pool_fused" in fm.explain() or not fm.fusions
 
 
 def test_reasons_name_the_cause():

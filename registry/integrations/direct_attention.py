@@ -9,17 +9,17 @@ Most mlx-lm attention classes (llama, mistral, qwen2, qwen3, ...) run one form:
     q, k, v = q_proj(x), k_proj(x), v_proj(x), each as [B, H, L, D]
     q, k = q_norm(q), k_norm(k)                     (only where the module has both norms)
     q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
-    k, v = cache.update_and_fetch(k, v)             <- rope + write: one kernel call
+    k, v = cache.update_and_fetch(k, v)             <- these lines: one kernel call
     o_proj(sdpa(q, k, v, cache=cache, scale=scale, mask=mask) as [B, L, H * D])
 
 (a per-head norm gives the same bits before or after the [B, L, H, D] -> [B, H, L, D] transpose, so
 qwen3's norm-then-transpose runs this form too: the check below is what says so).
 
 For such a module make_prompt_cache swaps its class for a subclass (same name) whose forward, given
-a cache with `direct_update` (the drop-in caches), runs this form with the norm, rope and write lines
-as `cache.direct_update(attn, q, k, v, norms)` (the module's own norms where it has them, then rope
-and write as one kernel call); with any other cache (mlx-lm's own, the slot engine's, none) it runs
-the class's own forward. Which modules run the form is checked, not assumed:
+a cache with `direct_update` (the drop-in caches), runs this form with the marked lines as
+`cache.direct_update(attn, q, k, v, norms)` (norms: the marked lines include the q/k norms,
+which the cache may apply in the kernel too: qk_norm_rope_pool_fused); with any other cache (mlx-lm's own, the slot engine's, none)
+it runs the class's own forward. Which modules run the form is checked, not assumed:
 `direct_reason` runs the module's own forward and the form as written above on random input (a
 4-token prefill, then one decode token, with the layer's own mlx-lm cache class) and requires
 bitwise-equal outputs and cache contents. MLX_AOT_DIRECT_ATTENTION=0 keeps every layer on the capture.

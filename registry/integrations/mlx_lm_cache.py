@@ -156,17 +156,20 @@ class Fusion:
     fallback: str = ""
     direct: bool = False       # the attention runs direct_attention's form (else: the rope capture)
     direct_reason: str = ""    # why not, when direct attention was asked for
+    norm_kernel: Any = None    # qk_norm_rope_pool_fused where the trace put the q/k norms right before RoPE:
+                               # the direct form's norms run in the kernel too
 
     @property
     def reason(self) -> str:
-        k = self.kernel
-        return f"rope_pool_fused ({k.implementation}{f': {k.reason}' if k.reason else ''})"
+        """The kernel this layer's decode runs, and its implementation."""
+        k = self.norm_kernel if self.direct and self.norm_kernel is not None else self.kernel
+        return f"{k.NAME} ({k.implementation}{f': {k.reason}' if k.reason else ''})"
 
     @property
     def path(self) -> str:
         """How the attention reaches the kernel: 'direct forward' or 'rope capture (why not direct)'."""
         if self.direct:
-            return "direct forward"
+            return "direct forward" + (" (q/k norms in the kernel)" if self.norm_kernel is not None else "")
         return f"rope capture{f' ({self.direct_reason})' if self.direct_reason else ''}"
 
 
@@ -250,7 +253,7 @@ class _Fused:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            if k != "_launch":                # the copy starts its own stream of launches
+            if k not in ("_launch", "_launch_norm"):   # the copy starts its own streams of launches
                 new.__dict__[k] = v if k == "_fusion" else copy.deepcopy(v, memo)
         return new
 
@@ -268,19 +271,23 @@ class _Fused:
         return keys, values
 
     def direct_update(self, attn, q: mx.array, k: mx.array, v: mx.array, norms: bool):
-        """direct_attention's step: (rotated q, keys, values) as the attention's q/k norms (norms=True:
-        the module's own), two rope calls and update_and_fetch would give them, the rope calls and the
-        write as one kernel call when this cache is fused for attn's layer (its rope is this layer's
-        switch); else those calls as written."""
+        """direct_attention's step: (rotated q, keys, values) as the attention's q/k norms (norms=True),
+        two rope calls and update_and_fetch would give them, in one kernel call when this cache is
+        fused for attn's layer (its rope is this layer's switch; the norms too where the layer has a
+        norm kernel); else those calls as written."""
         f = self._fusion
         if f is None or f.switch is not attn.rope:
             return direct_attention.stock_step(self, attn, q, k, v, norms)
         if not q.dtype == k.dtype == v.dtype:
             f.fallback = "q, k and v dtypes differ"
             return direct_attention.stock_step(self, attn, q, k, v, norms)
+        weights = None
         if norms:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, _, keys, values = self.fused_update(q, k, v)
+            if f.norm_kernel is not None:
+                weights = (attn.q_norm.weight, attn.k_norm.weight)
+            else:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+        q, _, keys, values = self.fused_update(q, k, v, weights)
         return q, keys, values
 
     def _stock_update(self, keys, values):
@@ -318,28 +325,33 @@ class _Fused:
             return None, resolve_with_module_rope(cap, keys)
         return (q_call, k_call), keys
 
-    def _rotate_only(self, q, k, values, positions) -> tuple[mx.array, mx.array]:
-        """One kernel call rotating q and k with the write skipped: (rotated q, rotated k)."""
+    def _rotate_only(self, q, k, values, positions, weights=None) -> tuple[mx.array, mx.array]:
+        """One kernel call rotating q and k (normalising them first with the norm weights, when
+        given) with the write skipped: (rotated q, rotated k)."""
         B, Hkv, L, D = k.shape
         kp, vp = _dummy_pools(Hkv, D, k.dtype)
         slots = mx.full((B * L,), -1, dtype=mx.int32)
-        q_rot, k_rot, kp, vp = self._fusion.kernel(q, k, values, positions, slots, kp, vp, check_slots=False)
+        f = self._fusion
+        kernel = f.kernel if weights is None else f.norm_kernel
+        q_rot, k_rot, kp, vp = kernel(q, k, values, positions, slots, kp, vp, *(weights or ()), check_slots=False)
         _DUMMY_POOLS[(Hkv, D, k.dtype)] = (kp, vp)          # rebind, as with any in-place output
         self._fusion.calls["rotate_only"] += 1
         return q_rot, k_rot
 
-    def _write(self, q, k, values, positions, slots) -> tuple[mx.array, mx.array]:
-        """One kernel call: rotate q and k, write k and v into self.keys/self.values at `slots`;
-        returns (rotated q, rotated k). The kernel reads the attention's [B, H, L, D] views as they
-        are (strided: token t = b * L + l, the order of positions and slots) and returns q and k in
-        that shape."""
+    def _write(self, q, k, values, positions, slots, weights=None) -> tuple[mx.array, mx.array]:
+        """One kernel call: rotate q and k (normalising them first with the norm weights, when given:
+        the norm kernel), write k and v into self.keys/self.values at `slots`; returns (rotated q,
+        rotated k). The kernel reads the attention's [B, H, L, D] views as they are (strided: token
+        t = b * L + l, the order of positions and slots) and returns q and k in that shape."""
         f = self._fusion
-        # This cache's own stream of launches (kernel.last_bound): steady decode calls launch the last
-        # signature's plan directly, the launcher refusing any other shapes or dtypes.
-        last = self.__dict__.get("_launch")
+        # This cache's own stream of launches per kernel (kernel.last_bound): steady decode calls launch
+        # the last signature's plan directly, the launcher refusing any other shapes or dtypes.
+        slot = "_launch" if weights is None else "_launch_norm"
+        last = self.__dict__.get(slot)
         if last is None or last[0] is not f:
-            last = self.__dict__["_launch"] = (f, f.kernel.last_bound())
-        q_rot, k_rot, self.keys, self.values = last[1](q, k, values, positions, slots, self.keys, self.values)
+            last = self.__dict__[slot] = (f, (f.kernel if weights is None else f.norm_kernel).last_bound())
+        q_rot, k_rot, self.keys, self.values = last[1](q, k, values, positions, slots, self.keys, self.values,
+                                                       *(weights or ()))
         f.calls["fused"] += 1
         return q_rot, k_rot
 
@@ -404,12 +416,13 @@ class KVCache(_Fused, _stock.KVCache):
         super().__init__()
         self._fusion = fusion
 
-    def fused_update(self, q, k, v):
-        """(rotated q, rotated k, keys, values): one kernel call writing rows [offset, offset + L)."""
+    def fused_update(self, q, k, v, weights=None):
+        """(rotated q, rotated k, keys, values): one kernel call writing rows [offset, offset + L)
+        (weights: the q/k norm weights, for the norm kernel)."""
         prev, (B, _, L, _) = self.__dict__["_fused_off"], k.shape
         self._room(prev, k, v)
         S = self.keys.shape[2]
-        q, k = self._write(q, k, v, *_int_index(prev, L, B, S, prev, self._fusion.kernel.backend))
+        q, k = self._write(q, k, v, *_int_index(prev, L, B, S, prev, self._fusion.kernel.backend), weights)
         n = self.__dict__["_fused_off"] = prev + L
         if n < S:
             return q, k, self.keys[:, :, :n], self.values[:, :, :n]     # [..., :n, :] parses slower (4-D buffers)
@@ -427,18 +440,19 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
         super().__init__(max_size, keep)
         self._fusion = fusion
 
-    def fused_update(self, q, k, v):
+    def fused_update(self, q, k, v, weights=None):
         """(rotated q, rotated k, keys, values): decode writes the ring slot in one kernel call; a
         prefill chunk rotates in one call, then mlx-lm's own concatenation."""
         prev, (B, _, L, _) = self.__dict__["_fused_off"], k.shape
         if L > 1:
             positions, _ = _int_index(0, L, B, 0, prev, self._fusion.kernel.backend)
-            q, k = self._rotate_only(q, k, v, positions)
+            q, k = self._rotate_only(q, k, v, positions, weights)
             return (q, k, *self._stock_update(k, v))
         self._ring_slot(prev, k, v)
         if self._idx == self.max_size:
             self._idx = self.keep
-        q, k = self._write(q, k, v, *_int_index(self._idx, 1, B, self.keys.shape[2], prev, self._fusion.kernel.backend))
+        q, k = self._write(q, k, v, *_int_index(self._idx, 1, B, self.keys.shape[2], prev, self._fusion.kernel.backend),
+                           weights)
         self.offset = prev + 1
         self._idx += 1
         return (q, k, *self.keys_and_values())
@@ -468,12 +482,12 @@ class BatchKVCache(_Fused, _stock.BatchKVCache):
         super().__init__(left_padding)
         self._fusion = fusion
 
-    def fused_update(self, q, k, v):
+    def fused_update(self, q, k, v, weights=None):
         """(rotated q, rotated k, keys, values): one kernel call writing rows [_idx, _idx + L) of every row."""
         prev, L = self._idx, k.shape[2]
         self._room(prev, k, v)
         q, k = self._write(q, k, v, *_batch_index(self.__dict__["_fused_off"], prev, L, self.keys.shape[2],
-                                                  self._fusion.kernel.backend))
+                                                  self._fusion.kernel.backend), weights)
         self.offset = self.__dict__["_fused_off"] + L
         self._idx += L
         return (q, k, *self.keys_and_values())
@@ -490,12 +504,12 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
         super().__init__(max_size, left_padding)
         self._fusion = fusion
 
-    def fused_update(self, q, k, v):
+    def fused_update(self, q, k, v, weights=None):
         """(rotated q, rotated k, keys, values), as RotatingKVCache's, per batch row."""
         off, L = self.__dict__["_fused_off"], k.shape[2]
         if L > 1:
             positions, _ = _batch_index(off, 0, L, 0, self._fusion.kernel.backend)
-            q, k = self._rotate_only(q, k, v, positions)
+            q, k = self._rotate_only(q, k, v, positions, weights)
             return (q, k, *self._stock_update(k, v))
         if self._lengths is not None:
             raise RuntimeError("finalize() should be called before decoding with BatchRotatingKVCache")
@@ -507,7 +521,8 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
             self._idx = 0
         if self.rotated:
             self.left_padding -= 1
-        q, k = self._write(q, k, v, *_batch_index(off, self._idx, 1, self.keys.shape[2], self._fusion.kernel.backend))
+        q, k = self._write(q, k, v, *_batch_index(off, self._idx, 1, self.keys.shape[2], self._fusion.kernel.backend),
+                           weights)
         self._offset += 1
         self.offset = off + 1
         self._idx += 1
@@ -630,7 +645,7 @@ def fused_model(model, *, kernels: ModelKernels | None = None, direct: bool | No
         if not isinstance(switch, SwitchRope):
             switch = SwitchRope(switch)
             setattr(attn, attr, switch)
-        fusions[i] = Fusion(i, kernels.by_layer[i].rope, switch)
+        fusions[i] = Fusion(i, kernels.by_layer[i].rope, switch, norm_kernel=kernels.by_layer[i].qk_norm_rope)
     state = FusedModel(kernels, fusions, reasons, _signature(attn_layers))   # after the switches went in
     _set_direct(state, attn_layers, own, direct)
     object.__setattr__(model, _STATE_ATTR, state)     # a plain attribute: not part of the module tree
