@@ -56,6 +56,25 @@ def batch_run(model, prompts, n=NEW, caches=None, **kw):
     return [toks[u] for u in uids], [np.stack(lps[u]) for u in uids]
 
 
+# float32 matmuls run in TF32 on CUDA, so two float32 runs there agree only to about 1e-3 in
+# log-prob: a token whose top-2 gap is smaller may flip (docs/benchmarks/e2e-root-cause.md, section 8,
+# measured a 0.0022 gap). On the CPU, float32 is float32: tokens must be identical.
+NEAR_TIE_LOGPROB = 1e-2
+
+
+def assert_same_up_to_near_ties(got, want):
+    """Per request: tokens identical and log-probs within 1e-4 of stock's; off the CPU, a request may
+    part from stock's tokens only at a near-tie of stock's own log-probs (then the rest differs)."""
+    exact = mx.default_device() == mx.cpu
+    for i, (g, w, gl, wl) in enumerate(zip(got[0], want[0], got[1], want[1])):
+        at = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        if at < len(w):
+            gap = float(wl[at][w[at]] - wl[at][g[at]]) if at < len(g) else float("inf")
+            assert not exact and gap <= NEAR_TIE_LOGPROB, (
+                f"request {i}: tokens {g} differ from stock's {w} at {at} (stock's log-prob gap {gap:.3g})")
+        np.testing.assert_allclose(gl[:at], wl[:at], atol=1e-4, rtol=0, err_msg=f"request {i}")
+
+
 def counts(model) -> dict[int, dict]:
     return {i: dict(f.calls) for i, f in mc.fused_model(model).fusions.items()}
 
@@ -235,9 +254,7 @@ def test_batch_generator(native_artifacts, arch, direct, monkeypatch):
 
     monkeypatch.setattr(mc._Fused, "_write", spy)
     got = batch_run(model, PROMPTS, caches=[make_prompt_cache(model, direct=direct) for _ in PROMPTS])
-    assert got[0] == want[0]
-    for a, b in zip(got[1], want[1]):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    assert_same_up_to_near_ties(got, want)
     assert "BatchKVCache" in writers or "BatchRotatingKVCache" in writers
     if arch in ("gemma3", "cohere2 (sliding, NoPE global)"):
         assert "BatchRotatingKVCache" in writers
