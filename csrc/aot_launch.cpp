@@ -150,8 +150,7 @@ mx::array cow_guard(const mx::array& a, mx::StreamOrDevice s) {
 // row-major), so it goes as it is rather than through a second Contiguous node per launch: the
 // integrations' per-step index arrays (registry.native.device_indices), shared by every layer.
 static bool dense_by_construction(const mx::array& a) {
-  return !a.is_available() && a.ndim() <= 1 && a.has_primitive() &&
-         std::strcmp(a.primitive().name(), "Contiguous") == 0;
+  return !a.is_available() && a.ndim() <= 1 && is_primitive(a, "Contiguous");
 }
 
 std::vector<mx::array> launch(std::shared_ptr<const KernelBinary> bin, std::shared_ptr<const LaunchArgs> args,

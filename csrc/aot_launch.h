@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <cstring>
 #include <vector>
 
 #include "mlx/array.h"
@@ -36,6 +37,12 @@ struct KernelBinary {
   std::vector<int> input_of;       // per buffer: index among the primitive's inputs, or -1
   std::vector<int> output_of;      // per buffer: index among the primitive's outputs, or -1
 };
+
+// Whether `a` is lazy with the MLX primitive of this name: by name, since libmlx exports no
+// typeinfo for its primitives (the checks that take a lazy array as it is, by how it is made).
+inline bool is_primitive(const mx::array& a, const char* name) {
+  return a.has_primitive() && std::strcmp(a.primitive().name(), name) == 0;
+}
 
 // Per call: entry symbol (per dtype), scalar values (raw 32-bit patterns) and launch geometry.
 struct LaunchArgs {

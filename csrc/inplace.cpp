@@ -73,10 +73,6 @@ bool is_inplace_output_of_launch(const mx::array& a) {
 // Scalar copy into a fresh buffer): mx.concatenate and mx.zeros / mx.full(shape, scalar), what the
 // caches grow their buffers with. Such a buffer can be taken without computing it first: only array
 // objects and pending ops (its descriptor's owners) could ever reach it.
-bool is_primitive(const mx::array& a, const char* name) {   // by name: libmlx exports no typeinfo for them
-  return a.has_primitive() && std::strcmp(a.primitive().name(), name) == 0;
-}
-
 bool fresh_by_construction(const mx::array& a) {
   if (is_primitive(a, "Concatenate")) return true;
   if (!is_primitive(a, "Full") || a.inputs().size() != 1) return false;
