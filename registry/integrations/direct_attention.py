@@ -58,7 +58,7 @@ def _form(attn, x: mx.array, mask, cache, step: Callable, norms: bool, sdpa: Cal
 
 
 class DirectAttention:
-    """Mixed in before an mlx-lm attention class (direct_class): the form with one kernel call for
+    """Mixed in before an mlx-lm attention class (by install()): the form with one kernel call for
     the drop-in caches, the class's own forward for every other cache."""
 
     __slots__ = ()

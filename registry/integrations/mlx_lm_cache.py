@@ -158,6 +158,10 @@ class Fusion:
     direct_reason: str = ""    # why not, when direct attention was asked for
     norm_kernel: Any = None    # qk_norm_rope_pool_fused where the trace put the q/k norms right before RoPE:
                                # the direct form's norms run in the kernel too
+    backend: str = field(init=False)   # the kernel's, for the index arrays (read per layer per step)
+
+    def __post_init__(self):
+        self.backend = self.kernel.backend
 
     @property
     def reason(self) -> str:
@@ -187,9 +191,6 @@ def _int_index(start: int, L: int, B: int, S: int, pos: int, backend: str) -> tu
     if hit is None:
         if len(_INDEX_MEMO) > 64:
             _INDEX_MEMO.clear()
-        if B == 1 and L == 1:
-            hit = _INDEX_MEMO[key] = device_indices(backend, (pos,), (start,))
-            return hit
         ls = np.tile(np.arange(L, dtype=np.int64), B)
         bs = np.repeat(np.arange(B, dtype=np.int64), L)
         hit = _INDEX_MEMO[key] = device_indices(backend, pos + ls, bs * S + start + ls)
@@ -422,7 +423,7 @@ class KVCache(_Fused, _stock.KVCache):
         prev, (B, _, L, _) = self.__dict__["_fused_off"], k.shape
         self._room(prev, k, v)
         S = self.keys.shape[2]
-        q, k = self._write(q, k, v, *_int_index(prev, L, B, S, prev, self._fusion.kernel.backend), weights)
+        q, k = self._write(q, k, v, *_int_index(prev, L, B, S, prev, self._fusion.backend), weights)
         n = self.__dict__["_fused_off"] = prev + L
         if n < S:
             return q, k, self.keys[:, :, :n], self.values[:, :, :n]     # [..., :n, :] parses slower (4-D buffers)
@@ -445,13 +446,13 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
         prefill chunk rotates in one call, then mlx-lm's own concatenation."""
         prev, (B, _, L, _) = self.__dict__["_fused_off"], k.shape
         if L > 1:
-            positions, _ = _int_index(0, L, B, 0, prev, self._fusion.kernel.backend)
+            positions, _ = _int_index(0, L, B, 0, prev, self._fusion.backend)
             q, k = self._rotate_only(q, k, v, positions, weights)
             return (q, k, *self._stock_update(k, v))
         self._ring_slot(prev, k, v)
         if self._idx == self.max_size:
             self._idx = self.keep
-        q, k = self._write(q, k, v, *_int_index(self._idx, 1, B, self.keys.shape[2], prev, self._fusion.kernel.backend),
+        q, k = self._write(q, k, v, *_int_index(self._idx, 1, B, self.keys.shape[2], prev, self._fusion.backend),
                            weights)
         self.offset = prev + 1
         self._idx += 1
@@ -487,7 +488,7 @@ class BatchKVCache(_Fused, _stock.BatchKVCache):
         prev, L = self._idx, k.shape[2]
         self._room(prev, k, v)
         q, k = self._write(q, k, v, *_batch_index(self.__dict__["_fused_off"], prev, L, self.keys.shape[2],
-                                                  self._fusion.kernel.backend), weights)
+                                                  self._fusion.backend), weights)
         self.offset = self.__dict__["_fused_off"] + L
         self._idx += L
         return (q, k, *self.keys_and_values())
@@ -508,7 +509,7 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
         """(rotated q, rotated k, keys, values), as RotatingKVCache's, per batch row."""
         off, L = self.__dict__["_fused_off"], k.shape[2]
         if L > 1:
-            positions, _ = _batch_index(off, 0, L, 0, self._fusion.kernel.backend)
+            positions, _ = _batch_index(off, 0, L, 0, self._fusion.backend)
             q, k = self._rotate_only(q, k, v, positions, weights)
             return (q, k, *self._stock_update(k, v))
         if self._lengths is not None:
@@ -521,7 +522,7 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
             self._idx = 0
         if self.rotated:
             self.left_padding -= 1
-        q, k = self._write(q, k, v, *_batch_index(off, self._idx, 1, self.keys.shape[2], self._fusion.kernel.backend),
+        q, k = self._write(q, k, v, *_batch_index(off, self._idx, 1, self.keys.shape[2], self._fusion.backend),
                            weights)
         self._offset += 1
         self.offset = off + 1
@@ -618,18 +619,25 @@ def _signature(attn_layers: dict) -> tuple:
     return tuple((i, tuple(id(m) for m in attn.children().values())) for i, attn in attn_layers.items())
 
 
+def _direct_arg(direct, who: str) -> bool | None:
+    if direct is None or isinstance(direct, bool):
+        return direct
+    raise TypeError(f"{who}: direct must be True, False or None (None: MLX_AOT_DIRECT_ATTENTION), got {direct!r}")
+
+
 def fused_model(model, *, kernels: ModelKernels | None = None, direct: bool | None = None) -> FusedModel:
     """The model's FusedModel, built (tracing the model, installing the SwitchRopes and the direct
     attention classes) on first use. direct: install direct attention where the layer runs the llama
     form, or take it out; None: as the model has it (a new one: MLX_AOT_DIRECT_ATTENTION, on by
     default). Changing it re-decides only that."""
+    direct = _direct_arg(direct, "fused_model")
     attn_layers, _, own = find_attention_layers(model)
     state = getattr(model, _STATE_ATTR, None)
     if state is not None and kernels is None and state.signature == _signature(attn_layers):
-        if direct is not None and state.direct != bool(direct):
-            _set_direct(state, attn_layers, own, bool(direct))
+        if direct is not None and state.direct != direct:
+            _set_direct(state, attn_layers, own, direct)
         return state
-    direct = envs.get_flag("MLX_AOT_DIRECT_ATTENTION") if direct is None else bool(direct)
+    direct = envs.get_flag("MLX_AOT_DIRECT_ATTENTION") if direct is None else direct
     kernels = kernels if kernels is not None else build_kernel_sets(model)
     if not kernels.traced:
         raise ValueError("make_prompt_cache: the kernel sets must be traced (build_kernel_sets(model, trace=True)): "
@@ -734,7 +742,8 @@ def make_prompt_cache(model, max_kv_size: int | None = None, *, kernels: ModelKe
     if max_kv_size is not None and (not isinstance(max_kv_size, int) or isinstance(max_kv_size, bool)
                                     or max_kv_size < 1):
         raise ValueError(f"make_prompt_cache: max_kv_size must be a positive int or None, got {max_kv_size!r}")
-    if direct is None:
+    direct = _direct_arg(direct, "make_prompt_cache")
+    if direct is None:                # each call: the variable as it is now (fused_model's None keeps the model's)
         direct = envs.get_flag("MLX_AOT_DIRECT_ATTENTION")
     fm = fused_model(model, kernels=kernels, direct=direct)
     own = _stock.make_prompt_cache(model, max_kv_size)
