@@ -199,19 +199,13 @@ def run_engine(engine, prompts, n) -> Run:
     return Run([r.generated for r in reqs], t1 - t0, t2 - t1, logits)
 
 
-def plain_ropes(model):
-    """Stock mlx-lm exactly as shipped: what the drop-in cache installed on the model (its rope
-    switches, a pass-through for mlx-lm's own caches of about 1 us per rope call on the H200, and its
-    direct attention classes) taken out for the block, then put back (mlx_lm_cache.stock_model)."""
+def as_shipped(mode: str, model):
+    """The context a mode of mlx-lm's own loop runs in: `mlx_lm` is stock mlx-lm exactly as shipped
+    (mlx_lm_cache.stock_model: what the drop-in cache installed on the model taken out for the block,
+    its rope switches and direct attention classes, then put back), the fused cache as it is."""
     from registry.integrations.mlx_lm_cache import stock_model
 
-    return stock_model(model)
-
-
-def as_shipped(mode: str, model):
-    """The context a mode of mlx-lm's own loop runs in: `mlx_lm` with plain_ropes (stock as shipped),
-    the fused cache as it is."""
-    return plain_ropes(model) if mode == "mlx_lm" else contextlib.nullcontext()
+    return stock_model(model) if mode == "mlx_lm" else contextlib.nullcontext()
 
 
 class Modes:

@@ -259,6 +259,7 @@ def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
 # Targets of the end-to-end issue (docs/benchmarks/README.md).
 E2E_GPU_FUSED_OVER_MODULE = 1.10    # GPU: fused >= 1.10x module in every cell
 E2E_B1_MODULE_WITHIN = 0.10         # GPU, batch 1: module within 10% of mlx_lm ...
+E2E_DROP_IN_B1, E2E_DROP_IN_SIZE = 1.05, "llama-8b"   # GPU: the drop-in cache >= 1.05x stock at batch 1, 8B-like
 E2E_MODE_ORDER = ("mlx_lm", "mlx_lm_fused_cache", "module", "reference", "fused")
 
 
@@ -275,9 +276,29 @@ def _e2e_groups(cells) -> dict[tuple, dict]:
     return groups
 
 
+def _paired(group: dict, a: str, b: str) -> list[float]:
+    """Per round, a's decode speed over b's (b's time / a's time). The modes of a round run one after
+    the other, so a round's pair shares the host's state: on a host whose speed drifts between rounds
+    the per-round ratios scatter far less than the per-mode medians do."""
+    x, y = group.get(a), group.get(b)
+    if not x or not y or len(x.decode_s) != len(y.decode_s) or not all(t > 0 for t in x.decode_s):
+        return []
+    return [ty / tx for tx, ty in zip(x.decode_s, y.decode_s)]
+
+
 def _ratio(group: dict, a: str, b: str) -> float | None:
+    """a's decode speed over b's: the median of the per-round ratios (_paired) when both cells have the
+    same rounds, else the ratio of the two medians."""
+    pairs = _paired(group, a, b)
+    if pairs:
+        return _median(pairs)
     x, y = group.get(a), group.get(b)
     return x.decode_tokens_per_s / y.decode_tokens_per_s if x and y and y.decode_tokens_per_s else None
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[2]
 
 
 def _e2e_modes(cells) -> list[str]:
@@ -286,16 +307,17 @@ def _e2e_modes(cells) -> list[str]:
 
 
 def e2e_table(cells) -> str:
-    """Decode tokens/s per cell and mode, then fused/module, module/mlx_lm and fused/mlx_lm."""
+    """Decode tokens/s per cell and mode, then fused/module, module/mlx_lm, fused/mlx_lm and
+    mlx_lm_fused_cache/mlx_lm (each the median of the per-round ratios, _ratio)."""
     modes = _e2e_modes(cells)
     head = (f"{'size':<12}{'dtype':>9}{'batch':>6}{'prompt':>7}" + "".join(f"{m:>20}" for m in modes)
-            + f"{'fused/module':>14}{'module/mlx':>12}{'fused/mlx':>11}")
+            + f"{'fused/module':>14}{'module/mlx':>12}{'fused/mlx':>11}{'cache/mlx':>11}")
     lines = [head]
     for (size, dtype, batch, prompt), g in _e2e_groups(cells).items():
         lines.append(f"{size:<12}{dtype:>9}{batch:>6}{prompt:>7}"
                      + "".join(_f(g[m].decode_tokens_per_s if m in g else None, "20.1f") for m in modes)
                      + _f(_ratio(g, "fused", "module"), "14.2f") + _f(_ratio(g, "module", "mlx_lm"), "12.2f")
-                     + _f(_ratio(g, "fused", "mlx_lm"), "11.2f"))
+                     + _f(_ratio(g, "fused", "mlx_lm"), "11.2f") + _f(_ratio(g, "mlx_lm_fused_cache", "mlx_lm"), "11.2f"))
     return "\n".join(lines)
 
 
@@ -334,6 +356,13 @@ def e2e_targets(cells, backend: str) -> list[tuple[str, bool, str]]:
     out += [t] if t else []
     t = _all_cells_target(groups, "batch 1: fused >= mlx_lm", "fused", "mlx_lm", 1.0, b1)
     out += [t] if t else []
+    big = {k for k in b1 if k[0] == E2E_DROP_IN_SIZE}
+    t = _all_cells_target(groups, f"drop-in cache: mlx_lm_fused_cache >= {E2E_DROP_IN_B1:.2f}x mlx_lm at batch 1 "
+                          f"({E2E_DROP_IN_SIZE})", "mlx_lm_fused_cache", "mlx_lm", E2E_DROP_IN_B1, big)
+    out += [t] if t else []
+    t = _all_cells_target(groups, "drop-in cache: mlx_lm_fused_cache never slower than mlx_lm (every cell)",
+                          "mlx_lm_fused_cache", "mlx_lm", 1.0)
+    out += [t] if t else []
     return out
 
 
@@ -360,6 +389,14 @@ def load_e2e_json(path: Path):
     return cells, data
 
 
+def _with_quartiles(group: dict, a: str, b: str) -> str:
+    r = _ratio(group, a, b)
+    if r is None:
+        return "-"
+    pairs = _paired(group, a, b)
+    return f"{r:.2f} [{_quartiles(pairs)[0]:.2f}-{_quartiles(pairs)[1]:.2f}]" if len(pairs) > 1 else f"{r:.2f}"
+
+
 def _spread(cells) -> str:
     ratios = [max(c.decode_s) / min(c.decode_s) for c in cells if c.decode_s and min(c.decode_s) > 0]
     return f"median {_median(ratios):.2f}x, max {max(ratios):.2f}x" if ratios else "one round"
@@ -377,19 +414,21 @@ def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
              f"- Command: `{command}`",
              f"- Greedy decode tokens/s of the whole batch (median of {info.get('matrix', {}).get('rounds', '?')} "
              f"interleaved rounds, {info.get('matrix', {}).get('decode_tokens', '?')} tokens per request); random "
-             f"weights; sizes: " + "; ".join(f"{k}: {v}" for k, v in info.get("sizes", {}).items()) + ".",
+             f"weights; sizes: " + "; ".join(f"{k}: {v}" for k, v in info.get("sizes", {}).items()) + ". "
+             "A ratio of two modes is the median over rounds of the ratio within each round (the modes of a round "
+             "run back to back); the drop-in cache's column adds the quartiles of those per-round ratios.",
              *[f"- Check: {c}" for c in info.get("checks", [])],
              f"- Round-to-round spread (slowest / fastest decode of a cell and mode): {_spread(cells)}; load average "
              f"at start {info.get('loadavg_start', '?')}, at end {info.get('loadavg_end', '?')}.", "",
              "| size | dtype | batch | prompt | " + " | ".join(modes) + " | fused/module | module/mlx_lm | fused/mlx_lm |"
-             " prefill tok/s (" + ", ".join(modes) + ") |",
-             "|" + "---|" * (8 + len(modes))]
+             " mlx_lm_fused_cache/mlx_lm [quartiles] | prefill tok/s (" + ", ".join(modes) + ") |",
+             "|" + "---|" * (9 + len(modes))]
     for key, g in _e2e_groups(cells).items():
         size, dtype, batch, prompt = key
         lines.append(f"| {size} | {dtype} | {batch} | {prompt} | "
                      + " | ".join(f(g[m].decode_tokens_per_s if m in g else None, ".1f") for m in modes)
                      + f" | {f(_ratio(g, 'fused', 'module'), '.2f')} | {f(_ratio(g, 'module', 'mlx_lm'), '.2f')} | "
-                       f"{f(_ratio(g, 'fused', 'mlx_lm'), '.2f')} | "
+                       f"{f(_ratio(g, 'fused', 'mlx_lm'), '.2f')} | {_with_quartiles(g, 'mlx_lm_fused_cache', 'mlx_lm')} | "
                      + " / ".join(f(g[m].prefill_tokens_per_s if m in g else None, ".0f") for m in modes) + " |")
     lines += ["", "| target | result | evidence |", "|---|---|---|"]
     for name, met, evidence in e2e_targets(cells, info.get("backend", "")):

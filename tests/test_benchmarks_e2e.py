@@ -101,6 +101,29 @@ def test_targets_compare_modes_within_each_cell():
     assert "1.26" in table and "1.08" in table                             # fused/module per row
 
 
+def test_ratios_pair_the_rounds_and_drop_in_targets():
+    """A ratio of two modes is the median of the per-round ratios: a host that halves its speed for
+    some rounds slows both modes of those rounds, which the ratio of the two medians would mistake
+    for a difference between the modes."""
+    stock = E2ECell("llama-8b", 1, 128, "bfloat16", "mlx_lm", 64, 0, 1000.0, 0, 5, decode_s=[1.0, 1.0, 2.0, 2.0, 2.0])
+    fused = E2ECell("llama-8b", 1, 128, "bfloat16", "mlx_lm_fused_cache", 64, 0, 1000.0, 0, 5,
+                    decode_s=[0.9, 1.8, 1.8, 1.8, 0.9])     # faster in every round
+    for c in (stock, fused):
+        c.decode_tokens_per_s = 63 / sorted(c.decode_s)[2]
+    g = report._e2e_groups([stock, fused])[("llama-8b", "bfloat16", 1, 128)]
+    assert stock.decode_tokens_per_s / fused.decode_tokens_per_s == 0.9     # medians: 2.0 vs 1.8 s
+    assert report._ratio(g, "mlx_lm_fused_cache", "mlx_lm") == pytest.approx(1 / 0.9)   # every round 1/0.9
+    assert "1.11 [1.11-1.11]" in report.e2e_markdown([stock, fused], [], {}, "cmd")
+    got = {name: (met, ev) for name, met, ev in report.e2e_targets([stock, fused], "cuda")}
+    assert got["drop-in cache: mlx_lm_fused_cache >= 1.05x mlx_lm at batch 1 (llama-8b)"][0] is True
+    assert got["drop-in cache: mlx_lm_fused_cache never slower than mlx_lm (every cell)"][0] is True
+    slow = E2ECell("llama-1b", 8, 128, "bfloat16", "mlx_lm_fused_cache", 64, 90.0, 1000.0, 0, 3)
+    base = E2ECell("llama-1b", 8, 128, "bfloat16", "mlx_lm", 64, 100.0, 1000.0, 0, 3)   # no rounds: medians
+    got = {name: (met, ev) for name, met, ev in report.e2e_targets([stock, fused, slow, base], "cuda")}
+    met, ev = got["drop-in cache: mlx_lm_fused_cache never slower than mlx_lm (every cell)"]
+    assert met is False and "worst 0.90x (llama-1b bfloat16 b8 p128)" in ev
+
+
 def test_from_json_merges_runs_and_refuses_a_cell_twice(tmp_path):
     info = dict(backend="cuda", device="gpu", mlx=mx.__version__, date="2026-12-01T00:00:00Z", commit="abc",
                 checks=["a check"], sizes={"s": "a size"})
