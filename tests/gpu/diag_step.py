@@ -1,8 +1,9 @@
 """Probe (not a test): where one batch-1 decode step of mlx-lm's own loop goes, with mlx-lm's caches
 and with the drop-in fused cache (registry.integrations.mlx_lm.make_prompt_cache), on the current
 device: building the step's graph in Python, queueing it (mx.async_eval: MLX's encode), and the
-whole pipelined step; plus the launcher's counters (copies and syncs must stay 0). Sizes from
-benchmarks/e2e.SIZES (random bf16 weights). docs/benchmarks/e2e-root-cause.md.
+whole pipelined step, the first two also in this thread's CPU time (what another process on a
+shared host cannot inflate, bar clock changes); plus the launcher's counters (copies and syncs must
+stay 0). Sizes from benchmarks/e2e.SIZES (random bf16 weights). docs/benchmarks/e2e-root-cause.md.
 
     PYTHONPATH=. python3 tests/gpu/diag_step.py [--sizes llama-1b,llama-8b] [--steps 64] [--profile N]
 
@@ -103,24 +104,26 @@ def measure_section(name, rnd, label, model, make):
 def measure(name, rnd, label, model, make):
     cache, y = prefilled(model, make)
     native.reset_stats()
-    build, queue, step = [], [], []
+    build, queue, step, cpu_build, cpu_queue = [], [], [], [], []
     for _ in range(args.steps):          # generate_step's pattern: queue n+1, then read n
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         logits = model(y[:, None], cache=cache)[:, -1]
         nxt = mx.argmax(logits, axis=-1)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         mx.async_eval(nxt)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         y.item()
         t3 = time.perf_counter()
         build.append(t1 - t0), queue.append(t2 - t1), step.append(t3 - t0)
+        cpu_build.append(c1 - c0), cpu_queue.append(c2 - c1)
         y = nxt
     y.item()
     st = native.stats()
     layers = len(model.layers)
     print(f"{name} round {rnd} {label:12s} step {1e3 * median(step):6.3f} ms ({1 / median(step):6.1f} tok/s)  "
           f"build {1e3 * median(build):6.3f} ms ({1e6 * median(build) / layers:5.1f} us/layer)  "
-          f"queue {1e3 * median(queue):6.3f} ms  copies {st['copies']} syncs {st['syncs']}", flush=True)
+          f"queue {1e3 * median(queue):6.3f} ms  thread CPU: build {1e3 * median(cpu_build):6.3f} ms  queue "
+          f"{1e3 * median(cpu_queue):6.3f} ms  copies {st['copies']} syncs {st['syncs']}", flush=True)
 
 
 def measure_prefill(name, rnd, label, model, make):
