@@ -296,11 +296,6 @@ def _ratio(group: dict, a: str, b: str) -> float | None:
     return x.decode_tokens_per_s / y.decode_tokens_per_s if x and y and y.decode_tokens_per_s else None
 
 
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
-    return q[0], q[2]
-
-
 def _e2e_modes(cells) -> list[str]:
     present = {c.mode for c in cells}
     return [m for m in E2E_MODE_ORDER if m in present]
@@ -390,11 +385,15 @@ def load_e2e_json(path: Path):
 
 
 def _with_quartiles(group: dict, a: str, b: str) -> str:
+    """_ratio, with the quartiles of the per-round ratios when there are at least two rounds."""
     r = _ratio(group, a, b)
     if r is None:
         return "-"
     pairs = _paired(group, a, b)
-    return f"{r:.2f} [{_quartiles(pairs)[0]:.2f}-{_quartiles(pairs)[1]:.2f}]" if len(pairs) > 1 else f"{r:.2f}"
+    if len(pairs) < 2:
+        return f"{r:.2f}"
+    q1, _, q3 = statistics.quantiles(pairs, n=4, method="inclusive")
+    return f"{r:.2f} [{q1:.2f}-{q3:.2f}]"
 
 
 def _spread(cells) -> str:
