@@ -28,6 +28,10 @@ p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--layers", type=int, default=0, help="override the size's layer count")
 p.add_argument("--profile", type=int, default=0, help="print the N functions with the most own time")
 args = p.parse_args()
+for flag, value, least in (("--batch", args.batch, 1), ("--prompt", args.prompt, 1), ("--tokens", args.tokens, 2),
+                          ("--rounds", args.rounds, 1), ("--layers", args.layers, 0), ("--profile", args.profile, 0)):
+    if value < least:
+        sys.exit(f"{flag}: {value} is below {least}" + (" (a decode rate needs 2 tokens)" if flag == "--tokens" else ""))
 if args.size not in SIZES:
     sys.exit(f"--size: unknown {args.size!r} (choose from {', '.join(SIZES)})")
 modes = args.modes.split(",")
