@@ -11,7 +11,6 @@ mx.eval / .item() is waiting for the device). docs/benchmarks/e2e-root-cause.md.
 import argparse
 import cProfile
 import pstats
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -31,12 +30,12 @@ args = p.parse_args()
 for flag, value, least in (("--batch", args.batch, 1), ("--prompt", args.prompt, 1), ("--tokens", args.tokens, 2),
                           ("--rounds", args.rounds, 1), ("--layers", args.layers, 0), ("--profile", args.profile, 0)):
     if value < least:
-        sys.exit(f"{flag}: {value} is below {least}" + (" (a decode rate needs 2 tokens)" if flag == "--tokens" else ""))
+        p.error(f"{flag}: {value} is below {least}" + (" (a decode rate needs 2 tokens)" if flag == "--tokens" else ""))
 if args.size not in SIZES:
-    sys.exit(f"--size: unknown {args.size!r} (choose from {', '.join(SIZES)})")
+    p.error(f"--size: unknown {args.size!r} (choose from {', '.join(SIZES)})")
 modes = args.modes.split(",")
 if set(modes) - set(MODES):
-    sys.exit(f"--modes: unknown {', '.join(sorted(set(modes) - set(MODES)))} (choose from {', '.join(MODES)})")
+    p.error(f"--modes: unknown {', '.join(sorted(set(modes) - set(MODES)))} (choose from {', '.join(MODES)})")
 
 config = dict(SIZES[args.size].config, **({"num_hidden_layers": args.layers} if args.layers else {}))
 mx.random.seed(0)

@@ -47,6 +47,14 @@ p.add_argument("--prefill", type=int, default=0, help="afterwards, time N prefil
 p.add_argument("--caches", default="mlx_lm,fused_cache", help="which caches to run (e.g. one, under a profiler): "
                "mlx_lm, fused_cache (direct attention where the layer allows it), fused_capture")
 args = p.parse_args()
+for flag, value, least in (("--steps", args.steps, 1), ("--prompt", args.prompt, 1), ("--rounds", args.rounds, 1),
+                          ("--layers", args.layers, 0), ("--profile", args.profile, 0), ("--section", args.section, 0),
+                          ("--prefill", args.prefill, 0)):
+    if value < least:
+        p.error(f"{flag}: {value} is below {least}")
+unknown_sizes = [s for s in args.sizes.split(",") if s not in SIZES]
+if unknown_sizes:
+    p.error(f"--sizes: unknown {', '.join(unknown_sizes)} (choose from {', '.join(SIZES)})")
 
 
 def median(xs):
