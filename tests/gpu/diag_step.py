@@ -16,6 +16,13 @@ Where mx.fast.rope builds its fallback graph in Python (the CPU), stock mlx-lm's
 it, so compare the fused cache's us/layer before and after a change rather than the two modes.
 --caches: mlx_lm (stock), fused_cache (the drop-in cache: direct forward where the layer allows it),
 fused_capture (every fused layer through the rope capture).
+--direct N: afterwards, time N runs of every layer's cache step in the direct forward's form with
+each cache (stock: q/k norms where the layer has them, two rope calls and update_and_fetch; the
+drop-in cache: its direct_update, one kernel call) followed by the attention's sdpa, on each
+layer's own q/k/v shapes (one decode token, q/k/v evaluated beforehand): building those graph nodes
+and queueing them (mx.async_eval: MLX's encode) in this thread's CPU time, per layer (min and
+median), and their node count per layer. The one part of a direct-forward layer that differs
+between the two caches, on the device's own ops (mx.fast.rope is a fallback graph on the CPU).
 --prefill N: afterwards, time N prefills of --prompt tokens per cache on mlx-lm's generation stream.
 --section N: afterwards, time N x 50 runs of one layer's cache section as model code runs it (two
 `cache.offset` reads, two rope calls, update_and_fetch) with each cache, on layer 0's own q/k/v
@@ -42,6 +49,7 @@ p.add_argument("--layers", type=int, default=0, help="override the size's layer 
 p.add_argument("--build-only", action="store_true")
 p.add_argument("--section", type=int, default=0)
 p.add_argument("--rounds", type=int, default=2)
+p.add_argument("--direct", type=int, default=0)
 p.add_argument("--prefill", type=int, default=0, help="afterwards, time N prefills of --prompt tokens with each "
                "cache (a fresh one each), on mlx-lm's generation stream as generate_step runs them")
 p.add_argument("--caches", default="mlx_lm,fused_cache", help="which caches to run (e.g. one, under a profiler): "
@@ -49,7 +57,7 @@ p.add_argument("--caches", default="mlx_lm,fused_cache", help="which caches to r
 args = p.parse_args()
 for flag, value, least in (("--steps", args.steps, 1), ("--prompt", args.prompt, 1), ("--rounds", args.rounds, 1),
                           ("--layers", args.layers, 0), ("--profile", args.profile, 0), ("--section", args.section, 0),
-                          ("--prefill", args.prefill, 0)):
+                          ("--prefill", args.prefill, 0), ("--direct", args.direct, 0)):
     if value < least:
         p.error(f"{flag}: {value} is below {least}")
 unknown_sizes = [s for s in args.sizes.split(",") if s not in SIZES]
@@ -107,6 +115,51 @@ def measure_section(name, rnd, label, model, make):
         mx.eval(cache.keys, cache.values)
     print(f"{name} round {rnd} {label:12s} cache section min {1e6 * min(per_call):6.2f} us  "
           f"median {1e6 * median(per_call):6.2f} us", flush=True)
+
+
+def measure_direct(name, rnd, label, model, make):
+    from benchmarks.graph_count import count
+    from registry.integrations import direct_attention
+    from registry.integrations.mlx_lm import attention_of, model_layers
+
+    caches, _ = prefilled(model, make)
+    attns = [attention_of(layer) for layer in model_layers(model)]
+    layers = []
+    for attn, cache in zip(attns, caches):
+        hidden = attn.o_proj.weight.shape[0]
+        x = mx.random.normal((1, 1, hidden)).astype(mx.bfloat16)
+        q, k, v = (proj(x).reshape(1, 1, h, -1).transpose(0, 2, 1, 3)
+                   for proj, h in ((attn.q_proj, attn.n_heads), (attn.k_proj, attn.n_kv_heads),
+                                   (attn.v_proj, attn.n_kv_heads)))
+        mx.eval(q, k, v)
+        norms = bool(getattr(attn, "q_norm", None) is not None)
+        step = type(cache).direct_update if hasattr(type(cache), "direct_update") else None
+        layers.append((attn, cache, q, k, v, norms, step, direct_attention._sdpa_of(direct_attention.base_class(attn))))
+
+    def section():
+        outs = []
+        for attn, cache, q, k, v, norms, step, sdpa in layers:
+            if step is None:
+                q2, keys, values = direct_attention.stock_step(cache, attn, q, k, v, norms)
+            else:
+                q2, keys, values = step(cache, attn, q, k, v, norms)
+            outs.append(sdpa(q2, keys, values, cache=cache, scale=attn.scale, mask=None))
+        return outs
+
+    nodes = sum(count(section()).values()) / len(layers)
+    mx.synchronize()
+    build, queue = [], []
+    for _ in range(args.direct):
+        c0 = time.thread_time()
+        outs = section()
+        c1 = time.thread_time()
+        mx.async_eval(outs)
+        c2 = time.thread_time()
+        mx.synchronize()
+        build.append((c1 - c0) / len(layers)), queue.append((c2 - c1) / len(layers))
+    print(f"{name} round {rnd} {label:12s} direct section ({nodes:.1f} nodes/layer) thread CPU per layer: build min "
+          f"{1e6 * min(build):6.2f} median {1e6 * median(build):6.2f} us  queue min {1e6 * min(queue):6.2f} median "
+          f"{1e6 * median(queue):6.2f} us", flush=True)
 
 
 def measure(name, rnd, label, model, make):
@@ -186,6 +239,10 @@ for name in args.sizes.split(","):
         for label, make in CACHES:
             with as_shipped(label, model):
                 measure_prefill(name, rnd, label, model, make)
+    for rnd in range(args.rounds) if args.direct else ():
+        for label, make in CACHES:
+            with as_shipped(label, model):
+                measure_direct(name, rnd, label, model, make)
     for rnd in range(args.rounds) if args.section else ():
         for label, make in CACHES:
             with as_shipped(label, model):
