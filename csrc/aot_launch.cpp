@@ -55,13 +55,14 @@ bool AotLaunch::is_equivalent(const mx::Primitive& other) const {
          args_.scalars == o.args_.scalars && args_.grid == o.args_.grid && args_.group == o.args_.group;
 }
 
-void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+void AotLaunch::prepare_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                                const std::function<mx::allocator::Data(size_t)>& alloc) {
   const auto& input_of = bin_->input_of;
   const auto& output_of = bin_->output_of;
   for (size_t b = 0; b < bin_->roles.size(); ++b) {
     if (bin_->roles[b] == kOutput) {
       auto& out = outputs[output_of[b]];
-      out.set_data(mx::allocator::malloc(out.nbytes()));
+      out.set_data(alloc(out.nbytes()));
     } else if (bin_->roles[b] == kInplace) {
       const auto& in = inputs[input_of[b]];
       if (!in.flags().row_contiguous) {
@@ -338,7 +339,7 @@ void AotLaunch::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     throw std::runtime_error("[mlx_aot] " + args_.entry + ": artifact " + bin_->path + " is for " + bin_->target +
                              ", not the CPU");
   }
-  prepare_outputs(inputs, outputs);
+  prepare_outputs(inputs, outputs, [](size_t n) { return mx::allocator::malloc(n); });
   auto& enc = mx::cpu::get_command_encoder(stream());
   const auto& input_of = bin_->input_of;
   const auto& output_of = bin_->output_of;

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <cstring>
@@ -72,8 +73,10 @@ class AotLaunch : public mx::Primitive {
   const LaunchArgs& launch_args() const { return args_; }
 
  private:
-  // Outputs get their buffers: fresh allocations, or the aliased input's buffer for in-place roles.
-  void prepare_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs);
+  // Outputs get their buffers: fresh allocations from `alloc` (the backend's allocator for its
+  // kernels' outputs), or the aliased input's buffer for in-place roles.
+  void prepare_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                       const std::function<mx::allocator::Data(size_t)>& alloc);
   std::shared_ptr<const KernelBinary> bin_;
   std::shared_ptr<const LaunchArgs> args_ptr_;  // shared by every launch of one plan
   const LaunchArgs& args_;

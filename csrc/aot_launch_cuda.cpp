@@ -4,11 +4,16 @@
 #include "aot_launch.h"
 
 #include <cuda.h>
+#include <cuda_runtime.h>
 
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
+#include "mlx/backend/cuda/allocator.h"  // CudaBuffer
 #include "mlx/backend/cuda/device.h"
 
 namespace mlx_aot {
@@ -51,6 +56,98 @@ CUfunction cuda_function(const KernelBinary& bin, const std::string& entry, int 
   return fn;
 }
 
+// Fresh outputs (the rotated q and k) in device memory, as MLX's own CUDA ops allocate theirs with
+// cu::malloc_async, which libmlx does not export. mx::allocator::malloc gives managed memory instead,
+// and when its cache hands back a device buffer it first copies it to managed memory with a
+// synchronous cudaMemcpy. A freed output goes to a free list per (stream, size) for the next launch on
+// that stream, which stream order makes safe (as for MLX's own cache), up to kCachedBytes in all.
+// MLX's memory counters do not see these buffers.
+class OutputBuffers {
+ public:
+  mx::allocator::Data malloc(size_t nbytes, cudaStream_t stream, int device) {
+    const size_t size = (nbytes + 255) / 256 * 256;
+    mx::cu::CudaBuffer* buf = take(stream, size);
+    if (buf == nullptr) {
+      void* p = nullptr;
+      cudaError_t e = cudaMallocAsync(&p, size, stream);
+      if (e != cudaSuccess) {  // out of memory: give the cached buffers back and try once more
+        cudaGetLastError();
+        release_all();
+        e = cudaMallocAsync(&p, size, stream);
+      }
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        throw std::runtime_error(std::string("[mlx_aot] cannot allocate ") + std::to_string(size) +
+                                 " bytes of device memory for a kernel output: " + cudaGetErrorString(e));
+      }
+      buf = new mx::cu::CudaBuffer{p, size, device};
+    }
+    return mx::allocator::Data(mx::allocator::Buffer(buf), [this, stream](mx::allocator::Buffer b) {
+      give_back(stream, static_cast<mx::cu::CudaBuffer*>(b.ptr()));
+    });
+  }
+
+ private:
+  static constexpr size_t kCachedBytes = size_t{256} << 20;
+  using Key = std::pair<cudaStream_t, size_t>;
+
+  mx::cu::CudaBuffer* take(cudaStream_t stream, size_t size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.find({stream, size});
+    if (it == free_.end() || it->second.empty()) return nullptr;
+    mx::cu::CudaBuffer* buf = it->second.back();
+    it->second.pop_back();
+    cached_ -= size;
+    return buf;
+  }
+
+  // Runs wherever MLX drops the array's data (often its completion thread): never throws.
+  void give_back(cudaStream_t stream, mx::cu::CudaBuffer* buf) {
+    if (buf->device < 0) {  // a host read moved it to managed memory (MLX's Buffer::raw_ptr)
+      cudaPointerAttributes attr{};
+      bool host = cudaPointerGetAttributes(&attr, buf->data) == cudaSuccess && attr.type == cudaMemoryTypeHost;
+      host ? cudaFreeHost(buf->data) : cudaFree(buf->data);
+      cudaGetLastError();
+      delete buf;
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cached_ + buf->size <= kCachedBytes) {
+        free_[{stream, buf->size}].push_back(buf);
+        cached_ += buf->size;
+        return;
+      }
+    }
+    cudaFreeAsync(buf->data, stream);
+    cudaGetLastError();
+    delete buf;
+  }
+
+  void release_all() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, bufs] : free_) {
+      for (auto* buf : bufs) {
+        cudaFreeAsync(buf->data, key.first);
+        delete buf;
+      }
+    }
+    free_.clear();
+    cached_ = 0;
+    cudaGetLastError();
+  }
+
+  std::mutex mu_;
+  std::map<Key, std::vector<mx::cu::CudaBuffer*>> free_;
+  size_t cached_ = 0;
+};
+
+// Intentionally leaked: arrays freed at process exit still give their buffers back here.
+OutputBuffers& output_buffers() {
+  static auto* buffers = new OutputBuffers();
+  return *buffers;
+}
+
 }  // namespace
 
 void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -58,9 +155,11 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     throw std::runtime_error("[mlx_aot] " + args_.entry + ": artifact " + bin_->path + " is for " + bin_->target +
                              ", not CUDA");
   }
-  prepare_outputs(inputs, outputs);
   auto& enc = mx::cu::get_command_encoder(stream());
   enc.device().make_current();
+  prepare_outputs(inputs, outputs, [&enc](size_t n) {
+    return output_buffers().malloc(n, enc.stream(), enc.device().cuda_device());
+  });
   CUfunction fn = cuda_function(*bin_, args_.entry, enc.device().cuda_device());
   const auto& input_of = bin_->input_of;
   const auto& output_of = bin_->output_of;

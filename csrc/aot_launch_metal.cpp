@@ -54,7 +54,7 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     throw std::runtime_error("[mlx_aot] " + args_.entry + ": artifact " + bin_->path + " is for " + bin_->target +
                              ", not Metal");
   }
-  prepare_outputs(inputs, outputs);
+  prepare_outputs(inputs, outputs, [](size_t n) { return mx::allocator::malloc(n); });  // unified memory
   auto& d = mx::metal::device(stream().device);
   MTL::Library* lib = library_from_image(d, *bin_);
 
