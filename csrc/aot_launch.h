@@ -138,6 +138,8 @@ void index_buffers(KernelBinary& bin);
 
 // Device compute capability as "sm_XY" for CUDA builds, "" elsewhere.
 std::string cuda_device_arch(int device);
+// Where an evaluated array's buffer lives on CUDA: "device", "managed" or "host" ("" in other builds).
+std::string memory_kind(const mx::array& a);
 bool built_with_cuda();
 bool built_with_metal();
 

@@ -195,6 +195,20 @@ std::string cuda_device_arch(int device) {
   auto& d = mx::cu::device(device);
   return "sm_" + std::to_string(d.compute_capability_major()) + std::to_string(d.compute_capability_minor());
 }
+std::string memory_kind(const mx::array& a) {
+  if (a.status() == mx::array::Status::unscheduled || a.data_shared_ptr() == nullptr || a.buffer().ptr() == nullptr)
+    throw std::invalid_argument("memory_kind: the array has no buffer yet; evaluate it first");
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, mx::gpu_ptr<void>(a)) != cudaSuccess) {
+    cudaGetLastError();
+    return "host";  // memory CUDA does not know: pageable host memory
+  }
+  switch (attr.type) {
+    case cudaMemoryTypeDevice: return "device";
+    case cudaMemoryTypeManaged: return "managed";
+    default: return "host";
+  }
+}
 bool built_with_cuda() { return true; }
 bool built_with_metal() { return false; }
 

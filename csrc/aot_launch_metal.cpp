@@ -97,6 +97,7 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
 }
 
 std::string cuda_device_arch(int) { return ""; }
+std::string memory_kind(const mx::array&) { return ""; }
 bool built_with_cuda() { return false; }
 bool built_with_metal() { return true; }
 

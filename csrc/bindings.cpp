@@ -108,6 +108,9 @@ NB_MODULE(_ext, m) {
       "give the attention's placeholder its value.");
   m.def("cuda_device_arch", &mlx_aot::cuda_device_arch, "device"_a = 0,
         "Compute capability of a CUDA device as 'sm_XY' ('' without CUDA).");
+  m.def("memory_kind", &mlx_aot::memory_kind, "a"_a,
+        "Where the evaluated array's buffer lives on CUDA: 'device', 'managed' or 'host' ('' in builds "
+        "without CUDA): the launcher gives its fresh outputs device memory, as MLX's own CUDA ops do.");
   m.def(
       "owner_counts", &mlx_aot::owner_counts, "a"_a,
       "(array objects and pending ops referring to `a`, arrays and in-flight work holding its buffer or -1 "

@@ -38,3 +38,33 @@ def test_ordering_in_multi_layer_graphs_repeated(native_artifacts):
         got = mx.stack(sums)
         mx.eval(got)
         np.testing.assert_allclose(np.array(got), v_sums, rtol=1e-3, err_msg=f"iteration {it}")
+
+
+def test_fresh_outputs_live_in_device_memory(native_artifacts):
+    """On CUDA the launcher's fresh outputs (rotated q and k) are device memory from the stream's pool,
+    as MLX's own ops' outputs are, not managed memory (mx::allocator::malloc's); a host read still
+    works (MLX moves the buffer to managed memory), and buffers freed either way are reused safely."""
+    from registry import native
+
+    if mx.default_device() != mx.gpu or not native.import_ext().built_with_cuda():
+        pytest.skip("CUDA only: other backends have one kind of memory")
+    ext = native.import_ext()
+    rope = RopeConfig(64, base=1e4)
+    kernel = native_kernel(rope)
+    rng = np.random.default_rng(1)
+    T, S = 4, 32
+    kp, vp = mx.zeros((S, 2, 64), dtype=mx.bfloat16), mx.zeros((S, 2, 64), dtype=mx.bfloat16)
+    for it in range(300):
+        q = mx.array(rng.standard_normal((T, 8, 64)).astype(np.float32)).astype(mx.bfloat16)
+        k = mx.array(rng.standard_normal((T, 2, 64)).astype(np.float32)).astype(mx.bfloat16)
+        slots = mx.array(rng.permutation(S)[:T].astype(np.int32))
+        pos = mx.array(rng.integers(0, 4096, T).astype(np.int32))
+        q_rot, k_rot, kp, vp = kernel(q, k, k, pos, slots, kp, vp, check_slots=False)
+        mx.eval(q_rot, k_rot, kp, vp)
+        assert (ext.memory_kind(q_rot), ext.memory_kind(k_rot)) == ("device", "device"), f"iteration {it}"
+        if it % 3 == 0:      # a host read of q_rot's own buffer: MLX moves it to managed memory; freeing it then must work
+            want_q = rope_pool_fused_reference(q, k, k, pos, slots, kp, vp, rope=rope)[0].astype(mx.float32)
+            bits = np.array(q_rot.view(mx.uint16)).astype(np.uint32) << 16       # NumPy has no bfloat16
+            np.testing.assert_allclose(bits.view(np.float32), np.array(want_q), atol=0.05, rtol=0.02,
+                                       err_msg=f"iteration {it}")
+            assert ext.memory_kind(q_rot) == "managed"
