@@ -61,11 +61,14 @@ CUfunction cuda_function(const KernelBinary& bin, const std::string& entry, int 
 // and when its cache hands back a device buffer it first copies it to managed memory with a
 // synchronous cudaMemcpy. A freed output goes to a free list per (stream, size) for the next launch on
 // that stream, which stream order makes safe (as for MLX's own cache), up to kCachedBytes in all.
-// MLX's memory counters do not see these buffers.
+// Frees go to a stream of their own, as MLX's allocator's do: a free enqueued on the compute stream
+// while MLX captures an op there (cuBLAS, cuDNN) would land in the captured graph, which MLX then
+// cannot add as a child node. MLX's memory counters do not see these buffers.
 class OutputBuffers {
  public:
   mx::allocator::Data malloc(size_t nbytes, cudaStream_t stream, int device) {
     const size_t size = (nbytes + 255) / 256 * 256;
+    make_free_stream(device);
     mx::cu::CudaBuffer* buf = take(stream, size);
     if (buf == nullptr) {
       void* p = nullptr;
@@ -91,6 +94,28 @@ class OutputBuffers {
   static constexpr size_t kCachedBytes = size_t{256} << 20;
   using Key = std::pair<cudaStream_t, size_t>;
 
+  // On the thread that launches, with the device current (the first launch on each device).
+  void make_free_stream(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_streams_.count(device)) return;
+    cudaStream_t s = nullptr;
+    cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("[mlx_aot] cannot create a CUDA stream for freeing kernel outputs: ") +
+                               cudaGetErrorString(e));
+    }
+    free_streams_[device] = s;
+  }
+
+  // Under mu_. Every buffer's device got its stream when the buffer was allocated.
+  void free_device_buffer(mx::cu::CudaBuffer* buf) {
+    auto it = free_streams_.find(buf->device);
+    it != free_streams_.end() ? cudaFreeAsync(buf->data, it->second) : cudaFree(buf->data);
+    cudaGetLastError();
+    delete buf;
+  }
+
   mx::cu::CudaBuffer* take(cudaStream_t stream, size_t size) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = free_.find({stream, size});
@@ -111,34 +136,27 @@ class OutputBuffers {
       delete buf;
       return;
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (cached_ + buf->size <= kCachedBytes) {
-        free_[{stream, buf->size}].push_back(buf);
-        cached_ += buf->size;
-        return;
-      }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cached_ + buf->size <= kCachedBytes) {
+      free_[{stream, buf->size}].push_back(buf);
+      cached_ += buf->size;
+      return;
     }
-    cudaFreeAsync(buf->data, stream);
-    cudaGetLastError();
-    delete buf;
+    free_device_buffer(buf);
   }
 
   void release_all() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, bufs] : free_) {
-      for (auto* buf : bufs) {
-        cudaFreeAsync(buf->data, key.first);
-        delete buf;
-      }
+      for (auto* buf : bufs) free_device_buffer(buf);
     }
     free_.clear();
     cached_ = 0;
-    cudaGetLastError();
   }
 
   std::mutex mu_;
   std::map<Key, std::vector<mx::cu::CudaBuffer*>> free_;
+  std::map<int, cudaStream_t> free_streams_;  // per device; intentionally never destroyed
   size_t cached_ = 0;
 };
 

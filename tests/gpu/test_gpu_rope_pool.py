@@ -68,3 +68,35 @@ def test_fresh_outputs_live_in_device_memory(native_artifacts):
             np.testing.assert_allclose(bits.view(np.float32), np.array(want_q), atol=0.05, rtol=0.02,
                                        err_msg=f"iteration {it}")
             assert ext.memory_kind(q_rot) == "managed"
+
+
+def test_output_frees_beyond_the_cache_while_mlx_captures(native_artifacts):
+    """More fresh outputs alive at once than the launcher's free list keeps (256 MiB): the rest are
+    freed as they die, while MLX captures cuBLAS work on the same stream. A free enqueued on that
+    stream would land in MLX's captured graph and abort the process (cudaGraphAddChildGraphNode:
+    operation not supported), as it did in `bench --e2e` after llama-8b's batch-8 prefill."""
+    from registry import native
+
+    if mx.default_device() != mx.gpu or not native.import_ext().built_with_cuda():
+        pytest.skip("CUDA only")
+    rope = RopeConfig(128, base=1e4)
+    kernel = native_kernel(rope)
+    T, S = 8192, 8192
+    q = mx.zeros((T, 32, 128), dtype=mx.bfloat16)             # 64 MiB of rotated q per launch
+    k = mx.zeros((T, 8, 128), dtype=mx.bfloat16)
+    a = mx.ones((512, 512), dtype=mx.bfloat16)
+    slots = mx.arange(T, dtype=mx.int32)
+    mx.eval(q, k, a, slots)
+    for it in range(4):
+        outs = []
+        for _ in range(6):                                     # ~480 MiB of outputs alive together
+            kp, vp = mx.zeros((S, 8, 128), dtype=mx.bfloat16), mx.zeros((S, 8, 128), dtype=mx.bfloat16)
+            q_rot, k_rot, kp, vp = kernel(q, k, k, slots, slots, kp, vp, check_slots=False)
+            outs.append((q_rot, k_rot))
+        mx.eval(outs)
+        del outs, q_rot, k_rot, kp, vp                         # freed by MLX's completion thread ...
+        acc = a
+        for _ in range(64):                                    # ... while matmuls are captured
+            acc = (acc @ a) * (1 / 512)
+            mx.eval(acc)
+        assert float(acc[0, 0].item()) == pytest.approx(1.0), f"iteration {it}"
