@@ -33,12 +33,21 @@ def summarize(path: str) -> str:
             rows = [r for r in csv.reader(f) if len(r) > 5]
     except OSError as e:
         raise SystemExit(f"--summarize {path}: cannot read it ({e.strerror})")
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise SystemExit(f"--summarize {path}: not an ncu --csv log ({e})")
     cols = ("Metric Name", "Metric Value", "Metric Unit")
     if not rows or not all(c in rows[0] for c in cols):
         raise SystemExit(f"--summarize {path}: no ncu --csv table with the columns {', '.join(cols)}")
     name_at, value_at, unit_at = (rows[0].index(c) for c in cols)
-    times = [float(r[value_at].replace(",", "")) * _SCALE[r[unit_at]] for r in rows[1:]
-             if r[name_at] == "gpu__time_duration.sum"]
+    times = []
+    for line, r in enumerate(rows[1:], start=2):
+        if r[name_at] != "gpu__time_duration.sum":
+            continue
+        try:
+            times.append(float(r[value_at].replace(",", "")) * _SCALE[r[unit_at]])
+        except (ValueError, KeyError):
+            raise SystemExit(f"--summarize {path}: row {line}: gpu__time_duration.sum is {r[value_at]!r} "
+                             f"{r[unit_at]!r}; expected a number in one of {', '.join(_SCALE)}")
     return f"{path}: {len(times)} workloads, {sum(times) / NCU_STEPS:.1f} us per step ({NCU_STEPS} steps)"
 
 
