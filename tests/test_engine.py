@@ -359,3 +359,44 @@ def test_a_failed_step_keeps_the_queued_tokens():
     while engine.waiting or engine.running or engine._inflight:
         engine.step()
     assert engine.requests[a].generated == mlx_lm_greedy(model, PROMPTS[0], 4)
+
+
+def _record_masks(engine: SlotEngine) -> list:
+    """(step, window, mask) of every make_mask call of the engine's forwards."""
+    seen = []
+    for pool in engine.pools.values():
+        def make_mask(N, window_size=None, _pool=pool, _orig=pool.make_mask, **kw):
+            mask = _orig(N, window_size, **kw)
+            seen.append((engine.step_ctx, window_size or _pool.window, mask))
+            return mask
+        pool.make_mask = make_mask
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_lone_request_reads_a_slice_with_mlx_lms_masks(arch):
+    """One request at a time, its slots consecutive: every step has a span instead of a slot table
+    (attention reads a slice of each pool), and the masks are mlx-lm's own forms while the context
+    fits the window (None for one query, "causal" for the prompt), arrays past it (gemma3's sliding
+    layers, window 8: a 12-token prompt + 16 tokens). With its slots scattered by an earlier batch,
+    the same request reads through the table. Its tokens are mlx-lm's either way."""
+    model = model_of(arch)
+    engine = SlotEngine(model, pool_size=64)
+    seen = _record_masks(engine)
+    toks = engine.generate([PROMPTS[2]], NEW_TOKENS)["tokens"][0]
+    assert_tokens_match(model, PROMPTS[2], toks, f"{arch}: lone request")
+    assert seen and all(s.span == (0, s.context) and s.table is None for s, _, _ in seen)
+    for s, window, mask in seen:
+        if not window or s.context <= window:
+            assert (mask is None) if s.length == 1 else (mask == "causal"), (s.context, window, mask)
+        else:
+            assert isinstance(mask, mx.array), (s.context, window, mask)
+    fits = {not w or s.context <= w for s, w, _ in seen}
+    assert fits == ({True, False} if arch == "gemma3" else {True})
+
+    engine.generate([PROMPTS[0], PROMPTS[1]], 6)            # batched decode interleaves their slots
+    seen.clear()
+    toks = engine.generate([PROMPTS[2]], NEW_TOKENS)["tokens"][0]
+    assert_tokens_match(model, PROMPTS[2], toks, f"{arch}: lone request on scattered slots")
+    assert all(s.span is None and s.table is not None for s, _, _ in seen)
+    assert engine.free_slots == 64

@@ -3,8 +3,11 @@
 Per attention layer: K/V pools [S, Hkv, D]. Each request owns a list of pool slots, one per token;
 prefill writes its prompt's K/V into fresh slots, every decode step batches the running requests
 (different lengths, their own positions) and writes one slot each; attention reads each request's
-slots through a padded slot table with a causal / sliding-window / padding mask. Finished requests
-give their slots back; new requests join at the next step (continuous batching).
+slots through a padded slot table with a causal / sliding-window / padding mask (a lone request
+whose slots are consecutive reads them as a slice of the pool, and while its context fits the window
+gets mlx-lm's own masks: None for one query, "causal"; MLX's fused attention kernels take those and
+not an array mask on CUDA). Finished requests give their slots back; new requests join at the next
+step (continuous batching).
 
 The model's own code runs everything (embeddings, norms, projections, gates, soft-caps, MLP, head);
 only the attention's rope, cache write and cache read are the engine's, and the per-head q/k norms
@@ -83,15 +86,18 @@ class LayerPlan:
 @dataclass
 class Step:
     """What every layer needs for one forward: new tokens' positions and slots (token-major,
-    request by request) and each request's context slots."""
+    request by request) and each request's context slots: one run of the pool (`span`) when a lone
+    request's slots are consecutive, else a padded slot table."""
     batch: int
     length: int
     offsets: list[int]
+    context: int                      # ctx: the longest request's tokens, the new ones included
     positions: mx.array               # int32 [batch * length]
     slots: mx.array                   # int32 [batch * length]
-    table: mx.array                   # int32 [batch, ctx]: slots to attend (padded)
     key_pos: mx.array                 # int32 [batch, ctx]: position of each context slot (-1: padding)
     query_pos: mx.array               # int32 [batch, length]
+    span: tuple[int, int] | None      # (first slot, ctx): batch 1, slots first .. first + ctx - 1 in order
+    table: mx.array | None            # int32 [batch, ctx]: slots to attend (padded); None with a span
 
 
 class ModuleRope:
@@ -137,10 +143,15 @@ class PoolCache:
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False, **_):
         ctx = self.engine.step_ctx
+        window = window_size or self.window       # RotatingKVCache.make_mask falls back to max_size too
+        if ctx.batch == 1 and not return_array and (not window or ctx.context <= window):
+            # One request whose context fits the window: the mask is causal, so mlx-lm's own forms
+            # (None for one query), which MLX's fused attention kernels take; an array mask sends
+            # CUDA's sdpa to its unfused fallback (MLX 0.32.4: supports_sdpa_vector).
+            return None if N == 1 else "causal"
         q = ctx.query_pos[:, :, None]             # [B, L, 1]
         k = ctx.key_pos[:, None, :]               # [B, 1, ctx]
         mask = (k >= 0) & (k <= q)
-        window = window_size or self.window       # RotatingKVCache.make_mask falls back to max_size too
         if window:
             mask = mask & (k > q - window)
         if ctx.batch == 1:                        # [L, ctx], the shape of mlx-lm's own masks
@@ -177,6 +188,10 @@ class PoolCache:
             self.k_pool[ctx.slots] = self._tokens(keys)
             self.v_pool[ctx.slots] = self._tokens(values)
         self.engine.calls[self.plan.path] += 1
+        if ctx.span is not None:                   # a slice of the pool, as mlx-lm reads its cache: no gather
+            first, n = ctx.span
+            return (self.k_pool[first:first + n][None].transpose(0, 2, 1, 3),   # [1, Hkv, ctx, D]
+                    self.v_pool[first:first + n][None].transpose(0, 2, 1, 3))
         kk = self.k_pool[ctx.table].transpose(0, 2, 1, 3)   # [B, Hkv, ctx, D]
         vv = self.v_pool[ctx.table].transpose(0, 2, 1, 3)
         return kk, vv
@@ -188,6 +203,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     slots: list[int] = field(default_factory=list)
+    run: bool = True                   # slots are consecutive, ascending (attention reads them as a slice)
     generated: list[int] = field(default_factory=list)
     state: list | None = None          # the model's own per-request caches (recurrent layers)
     logits: list[np.ndarray] = field(default_factory=list)
@@ -412,14 +428,22 @@ class SlotEngine:
         B, L = tokens.shape
         offsets = [len(r.slots) for r in reqs]
         new_slots = self._take_slots(B * L)
-        saved = [(r, len(r.slots)) for r in reqs]
+        saved = [(r, len(r.slots), r.run) for r in reqs]
         snap = [_snapshot(r.state) for r in reqs] if self.stateful else None
         for b, r in enumerate(reqs):
-            r.slots.extend(new_slots[b * L:(b + 1) * L])
+            mine = new_slots[b * L:(b + 1) * L]
+            first = r.slots[-1] + 1 if r.slots else mine[0]
+            r.run = r.run and mine == list(range(first, first + L))
+            r.slots.extend(mine)
         lens = [len(r.slots) for r in reqs]
         ctx_len = max(lens)
+        span, table = None, None
         if B == 1:                                     # one request: no padding
-            table = np.asarray(reqs[0].slots, np.int32)[None]
+            r = reqs[0]
+            if r.run:
+                span = (r.slots[0], ctx_len)
+            else:
+                table = np.asarray(r.slots, np.int32)[None]
             kpos = self._arange[:ctx_len][None]
         else:
             table = np.empty((B, ctx_len), np.int32)
@@ -430,8 +454,10 @@ class SlotEngine:
             ar = self._arange[:ctx_len][None]
             kpos = np.where(ar < np.asarray(lens, np.int32)[:, None], ar, np.int32(-1))
         qpos = np.asarray(offsets, np.int32)[:, None] + self._arange[:L][None]
-        self.step_ctx = Step(B, L, offsets, *device_indices(self._backend, qpos.reshape(-1), new_slots, table, kpos,
-                                                             qpos))
+        index = device_indices(self._backend, qpos.reshape(-1), new_slots, kpos, qpos,
+                               *(() if table is None else (table,)))
+        self.step_ctx = Step(B, L, offsets, ctx_len, *index[:4], span=span,
+                             table=None if table is None else index[4])
         if self._static_caches is not None:
             caches = self._static_caches
         else:
@@ -450,8 +476,9 @@ class SlotEngine:
                 for i in self.stateful:
                     _split_into(caches[i], [r.state[i] for r in reqs])
         except BaseException:
-            for j, (r, n) in enumerate(saved):       # leave the requests as they were
+            for j, (r, n, run) in enumerate(saved):  # leave the requests as they were
                 del r.slots[n:]
+                r.run = run
                 if snap is not None:
                     _restore(r.state, snap[j])
             self.free.extend(reversed(new_slots))
