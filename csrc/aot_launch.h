@@ -5,10 +5,10 @@
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
-#include <cstring>
 #include <vector>
 
 #include "mlx/array.h"

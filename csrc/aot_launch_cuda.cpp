@@ -68,8 +68,7 @@ class OutputBuffers {
  public:
   mx::allocator::Data malloc(size_t nbytes, cudaStream_t stream, int device) {
     const size_t size = (nbytes + 255) / 256 * 256;
-    make_free_stream(device);
-    mx::cu::CudaBuffer* buf = take(stream, size);
+    mx::cu::CudaBuffer* buf = take(stream, size, device);
     if (buf == nullptr) {
       void* p = nullptr;
       cudaError_t e = cudaMallocAsync(&p, size, stream);
@@ -94,9 +93,8 @@ class OutputBuffers {
   static constexpr size_t kCachedBytes = size_t{256} << 20;
   using Key = std::pair<cudaStream_t, size_t>;
 
-  // On the thread that launches, with the device current (the first launch on each device).
+  // Under mu_, on the thread that launches, with the device current (the first launch on each device).
   void make_free_stream(int device) {
-    std::lock_guard<std::mutex> lock(mu_);
     if (free_streams_.count(device)) return;
     cudaStream_t s = nullptr;
     cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -116,8 +114,11 @@ class OutputBuffers {
     delete buf;
   }
 
-  mx::cu::CudaBuffer* take(cudaStream_t stream, size_t size) {
+  // A cached buffer of `size` for `stream`, or nullptr; first makes the device's free stream, under
+  // the same lock (one per launch output).
+  mx::cu::CudaBuffer* take(cudaStream_t stream, size_t size, int device) {
     std::lock_guard<std::mutex> lock(mu_);
+    make_free_stream(device);
     auto it = free_.find({stream, size});
     if (it == free_.end() || it->second.empty()) return nullptr;
     mx::cu::CudaBuffer* buf = it->second.back();

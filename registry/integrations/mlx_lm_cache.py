@@ -169,6 +169,10 @@ class Fusion:
         k = self.norm_kernel if self.direct and self.norm_kernel is not None else self.kernel
         return f"{k.NAME} ({k.implementation}{f': {k.reason}' if k.reason else ''})"
 
+    def kernel_for(self, weights) -> Any:
+        """The kernel of one call: the norm kernel when the q/k norm weights come with it."""
+        return self.kernel if weights is None else self.norm_kernel
+
     @property
     def path(self) -> str:
         """How the attention reaches the kernel: 'direct forward' or 'rope capture (why not direct)'."""
@@ -333,10 +337,10 @@ class _Fused:
         kp, vp = _dummy_pools(Hkv, D, k.dtype)
         slots = mx.full((B * L,), -1, dtype=mx.int32)
         f = self._fusion
-        kernel = f.kernel if weights is None else f.norm_kernel
-        q_rot, k_rot, kp, vp = kernel(q, k, values, positions, slots, kp, vp, *(weights or ()), check_slots=False)
+        q_rot, k_rot, kp, vp = f.kernel_for(weights)(q, k, values, positions, slots, kp, vp, *(weights or ()),
+                                                     check_slots=False)
         _DUMMY_POOLS[(Hkv, D, k.dtype)] = (kp, vp)          # rebind, as with any in-place output
-        self._fusion.calls["rotate_only"] += 1
+        f.calls["rotate_only"] += 1
         return q_rot, k_rot
 
     def _write(self, q, k, values, positions, slots, weights=None) -> tuple[mx.array, mx.array]:
@@ -350,7 +354,7 @@ class _Fused:
         slot = "_launch" if weights is None else "_launch_norm"
         last = self.__dict__.get(slot)
         if last is None or last[0] is not f:
-            last = self.__dict__[slot] = (f, (f.kernel if weights is None else f.norm_kernel).last_bound())
+            last = self.__dict__[slot] = (f, f.kernel_for(weights).last_bound())
         q_rot, k_rot, self.keys, self.values = last[1](q, k, values, positions, slots, self.keys, self.values,
                                                        *(weights or ()))
         f.calls["fused"] += 1
