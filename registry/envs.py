@@ -40,10 +40,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("MLX_AOT_HOOK_MODULES", "list", None, "registry/manifest.py",
            "Comma-separated module names, outside the `registry` package, that kernels.yaml may name "
            "as `wrapper`/`check` (e.g. tests.toy_wrapper); unset: only registry.* modules."),
-    EnvVar("MLX_AOT_DIRECT_ATTENTION", "flag", "1", "registry/integrations/mlx_lm_cache.py",
-           "The drop-in cache runs the fused layers whose attention is the llama form through its direct "
-           "forward (registry/integrations/direct_attention.py); `0`: every fused layer goes through the "
-           "rope capture (for A/B checks). Read by each make_prompt_cache call without `direct=`."),
+    EnvVar("MLX_AOT_DIRECT_ATTENTION", "flag", "1",
+           "registry/integrations/mlx_lm_cache.py, registry/integrations/slot_engine.py",
+           "The drop-in cache and the slot engine run the fused layers whose attention is the llama form "
+           "through its direct forward (registry/integrations/direct_attention.py); `0`: every fused layer "
+           "goes through the rope capture (for A/B checks). Read by each make_prompt_cache call and each "
+           "SlotEngine without `direct=`."),
 )
 _BY_NAME = {v.name: v for v in ENV_VARS}
 _KIND_LABEL = {"flag": "flag", "path": "path", "float": "seconds", "level": "level", "list": "list"}

@@ -400,3 +400,34 @@ def test_a_lone_request_reads_a_slice_with_mlx_lms_masks(arch):
     assert_tokens_match(model, PROMPTS[2], toks, f"{arch}: lone request on scattered slots")
     assert all(s.span is None and s.table is not None for s, _, _ in seen)
     assert engine.free_slots == 64
+
+
+@pytest.mark.parametrize("arch,norm_kernel", [("llama", True), ("qwen3", True), ("qwen3", False), ("gemma3", True)])
+def test_direct_forward_and_rope_capture_agree(monkeypatch, arch, norm_kernel):
+    """Layers whose attention is the llama form run the plan's call in that form during the engine's
+    forwards (the capture sees no rope call); MLX_AOT_DIRECT_ATTENTION=0 (or direct=False) takes every
+    layer through the capture. Both give the same tokens and logits, with qwen3's q/k norms in the
+    kernel and, without qk_norm_rope_pool_fused, as the module's own; after a forward the model's
+    attention classes are its own again."""
+    model = model_of(arch)
+    if not norm_kernel:
+        monkeypatch.setenv("MLX_AOT_QK_NORM_ROPE_POOL_FUSED", "0")
+    kernels = build_kernel_sets(model)
+    assert all((p.kernel == "qk_norm_rope_pool_fused") == (norm_kernel and arch != "llama")
+               for p in SlotEngine(model, kernels=kernels).plans.values())
+    direct = SlotEngine(model, kernels=kernels, record_logits=True)
+    monkeypatch.setenv("MLX_AOT_DIRECT_ATTENTION", "0")
+    captured = SlotEngine(model, kernels=kernels, record_logits=True)
+    assert all(p.how == "direct forward" for p in direct.plans.values() if p.call is not None)
+    assert all(p.how == "rope capture" for p in captured.plans.values() if p.call is not None)
+    assert "direct forward [" in direct.explain() and "rope capture [" in captured.explain()
+    classes = {i: type(a) for i, a in direct.attn_layers.items()}
+    a, b = direct.generate(PROMPTS, NEW_TOKENS), captured.generate(PROMPTS, NEW_TOKENS)
+    assert {i: type(a_) for i, a_ in direct.attn_layers.items()} == classes
+    assert a["tokens"] == b["tokens"]
+    for x, y in zip(a["logits"], b["logits"]):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+    fused = sum(p.path == "fused" for p in direct.plans.values())
+    assert direct.calls["fused"] == captured.calls["fused"] == fused * (len(PROMPTS) + NEW_TOKENS - 1)
+    with pytest.raises(ValueError, match="direct must be True, False or None"):
+        SlotEngine(model, kernels=kernels, direct="yes")

@@ -143,8 +143,8 @@ def direct_reason(attn, make_cache: Callable[[], Any]) -> str:
     return ""
 
 
-def install(attn) -> None:
-    """Swap the module's class for its direct subclass (call after direct_reason said "")."""
+def direct_class(attn) -> type:
+    """The module's direct subclass (made once per mlx-lm class and norm form)."""
     cls = base_class(attn)
     norms = bool(_norms(attn))
     sub = _CLASSES.get((cls, norms))
@@ -152,7 +152,12 @@ def install(attn) -> None:
         sub = _CLASSES[(cls, norms)] = type(cls.__name__, (DirectAttention, cls), {
             "__slots__": (), "_direct_base": cls, "_direct_norms": norms,
             "_direct_sdpa": staticmethod(_sdpa_of(cls)), "__doc__": cls.__doc__})
-    attn.__class__ = sub
+    return sub
+
+
+def install(attn) -> None:
+    """Swap the module's class for its direct subclass (call after direct_reason said "")."""
+    attn.__class__ = direct_class(attn)
 
 
 def uninstall(attn) -> None:

@@ -11,8 +11,11 @@ step (continuous batching).
 
 The model's own code runs everything (embeddings, norms, projections, gates, soft-caps, MLP, head);
 only the attention's rope, cache write and cache read are the engine's, and the per-head q/k norms
-where the trace shows norm -> RoPE -> cache. Per layer (LayerPlan):
-  - fused:     one kernel call (the q/k capture of `_capture.py`): the kernel set's `qk_norm_rope`
+where the trace shows norm -> RoPE -> cache. A fused or reference layer whose attention is the llama
+form (direct_attention.py, checked per layer) runs, during the engine's forwards, that form with the
+call below in place of its norms, rope calls and cache write (`PoolCache.direct_update`); every
+other one reaches the call through the q/k capture of `_capture.py`. Per layer (LayerPlan):
+  - fused:     one kernel call: the kernel set's `qk_norm_rope`
                (q/k norm, rotation and both pool stores; the norms bypassed in the forward) where
                selected, else its `rope` (rotation plus both pool stores);
   - reference: registry.rope_pool_fused_reference, the same single call in pure MLX, where the
@@ -25,6 +28,7 @@ where the trace shows norm -> RoPE -> cache. Per layer (LayerPlan):
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from collections import Counter
@@ -34,13 +38,15 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from .. import envs
 from ..errors import MlxAotError
 from ..kernels.rope_pool_fused import rope_pool_fused_reference
 from ..core import backend_of, qk_norm_attrs
 from ..native import device_indices
+from . import direct_attention
 from ._capture import DataflowError, NormBypass, RopeCapture, resolve
-from .mlx_lm import (ModelKernels, build_kernel_sets, find_attention_layers, kv_cache_path, make_own_cache,
-                     ranges, rope_attr)
+from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, kv_cache_path,
+                     make_own_cache, ranges, rope_attr)
 
 MODES = ("fused", "reference", "module")
 
@@ -72,6 +78,17 @@ class LayerPlan:
     kernel: str = "rope_pool_fused"    # fused path: the kernel of the call
     store: Callable | None = None      # module path: kv_pool_store (k, v, slots, k_pool, v_pool) -> pools; None: scatter
     norms: tuple = ()                  # (attribute, module) of q/k norms the kernel applies (bypassed in forwards)
+    direct: bool = False               # fused/reference: the call runs in direct_attention's form (else: capture)
+    direct_reason: str = ""            # why not, when direct attention was asked for
+
+    @property
+    def how(self) -> str:
+        """How the attention reaches the call: 'direct forward' or 'rope capture (why not direct)'."""
+        if self.call is None:
+            return ""
+        if self.direct:
+            return "direct forward"
+        return f"rope capture{f' ({self.direct_reason})' if self.direct_reason else ''}"
 
     @property
     def what(self) -> str:
@@ -163,12 +180,36 @@ class PoolCache:
         B, H, L, D = x.shape
         return x.transpose(0, 2, 1, 3).reshape(B * L, H, D)
 
+    def _pools(self, keys: mx.array, values: mx.array) -> None:
+        if self.k_pool is None:
+            self.k_pool = mx.zeros((self.pool_size, keys.shape[1], keys.shape[3]), dtype=keys.dtype)
+            self.v_pool = mx.zeros((self.pool_size, values.shape[1], values.shape[3]), dtype=values.dtype)
+
+    def _call(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """The plan's one call: rotated (q, k); the pools rebound to its in-place outputs. The kernels
+        take the attention's [B, H, L, D] views as they are (strided) and return q and k in that
+        shape: token t = b * L + l, the order of the step's positions and slots."""
+        ctx = self.engine.step_ctx
+        self._pools(k, v)
+        q_rot, k_rot, self.k_pool, self.v_pool = self.plan.call(q, k, v, ctx.positions, ctx.slots,
+                                                                self.k_pool, self.v_pool)
+        self.engine.calls[self.plan.path] += 1
+        return q_rot, k_rot
+
+    def direct_update(self, attn, q: mx.array, k: mx.array, v: mx.array, norms: bool):
+        """direct_attention's step, for a layer whose plan runs the direct form: the q/k norms where
+        the plan's kernel does not apply them, then its one call on q/k/v as projected (no capture);
+        (rotated q, keys, values). Any other layer (its class made direct by make_prompt_cache) gets
+        its norms, rope calls and update_and_fetch as written."""
+        if not self.plan.direct:
+            return direct_attention.stock_step(self, attn, q, k, v, norms)
+        if norms and not self.plan.norms:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q_rot, _ = self._call(q, k, v)
+        return (q_rot, *self._read())
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         ctx = self.engine.step_ctx
-        B, Hkv, L, Dk = keys.shape
-        if self.k_pool is None:
-            self.k_pool = mx.zeros((self.pool_size, Hkv, Dk), dtype=keys.dtype)
-            self.v_pool = mx.zeros((self.pool_size, values.shape[1], values.shape[3]), dtype=values.dtype)
         if self.plan.call is not None:
             try:
                 q_call, k_call = self.hook.split(keys, values)
@@ -176,18 +217,22 @@ class PoolCache:
                 raise EngineError(f"layer {self.plan.layer}: {e}; the model trace did not show this "
                                   f"(construct the engine with mode='module')") from None
             self.hook.reset()
-            # The kernels take the attention's [B, H, L, D] views as they are (strided) and return q and
-            # k in that shape: token t = b * L + l, the order of ctx.positions and ctx.slots.
-            q_rot, k_rot, self.k_pool, self.v_pool = self.plan.call(
-                q_call.x, k_call.x, values, ctx.positions, ctx.slots, self.k_pool, self.v_pool)
+            q_rot, k_rot = self._call(q_call.x, k_call.x, values)
             resolve(q_call, q_rot)
             resolve(k_call, k_rot)                 # free unless the attention reads its rotated keys again
-        elif self.plan.store is not None:          # keys rotated (or not) by the module: kv_pool_store
+            return self._read()
+        self._pools(keys, values)
+        if self.plan.store is not None:            # keys rotated (or not) by the module: kv_pool_store
             self.k_pool, self.v_pool = self.plan.store(keys, values, ctx.slots, self.k_pool, self.v_pool)
         else:                                      # keys were rotated (or not) by the module itself
             self.k_pool[ctx.slots] = self._tokens(keys)
             self.v_pool[ctx.slots] = self._tokens(values)
         self.engine.calls[self.plan.path] += 1
+        return self._read()
+
+    def _read(self) -> tuple[mx.array, mx.array]:
+        """Keys and values to attend, [B, Hkv, ctx, D]."""
+        ctx = self.engine.step_ctx
         if ctx.span is not None:                   # a slice of the pool, as mlx-lm reads its cache: no gather
             first, n = ctx.span
             return (self.k_pool[first:first + n][None].transpose(0, 2, 1, 3),   # [1, Hkv, ctx, D]
@@ -225,7 +270,7 @@ class SlotEngine:
     """
 
     def __init__(self, model, *, pool_size: int = 4096, mode: str = "fused", kernels: ModelKernels | None = None,
-                 record_logits: bool = False):
+                 record_logits: bool = False, direct: bool | None = None):
         if mode not in MODES:
             raise ValueError(f"SlotEngine: mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not isinstance(pool_size, int) or pool_size < 1:
@@ -244,6 +289,10 @@ class SlotEngine:
         self.own_template = own                  # structure of the model's cache list
         self.kv_paths = {i: kv_cache_path(own[i]) for i in attn_layers}
         self.plans: dict[int, LayerPlan] = {i: self._plan(i) for i in attn_layers}
+        if not (direct is None or isinstance(direct, bool)):
+            raise ValueError(f"SlotEngine: direct must be True, False or None (None: MLX_AOT_DIRECT_ATTENTION), "
+                             f"got {direct!r}")
+        self._direct = self._direct_forms(envs.get_flag("MLX_AOT_DIRECT_ATTENTION") if direct is None else direct)
         self.hooks: dict[int, tuple[Any, str, Any]] = {}
         self.pools: dict[int, PoolCache] = {}
         for i, attn in attn_layers.items():
@@ -334,6 +383,22 @@ class SlotEngine:
             return LayerPlan(i, "reference", why, call, window)
         return own(ctx.rope_error or "RoPE not expressible")
 
+    def _direct_forms(self, direct: bool) -> list[tuple[Any, type]]:
+        """(attention, its direct class) of every fused/reference layer whose attention runs the llama
+        form (direct_attention.direct_reason, on the layer's own mlx-lm cache class), marked in its
+        plan; the engine's forwards run those classes."""
+        forms = []
+        for i, plan in self.plans.items():
+            if plan.call is None or not direct:
+                continue
+            attn, entry = self.attn_layers[i], self.own_template[i]
+            stock = cache_at(entry, self.kv_paths[i])
+            plan.direct_reason = direct_attention.direct_reason(attn, lambda: copy.deepcopy(stock))
+            if not plan.direct_reason:
+                plan.direct = True
+                forms.append((attn, direct_attention.direct_class(attn)))
+        return forms
+
     def _batching(self, attn_layers: dict[int, Any], own: list) -> tuple[int, str]:
         """(mask rank for batched decode, reason decode runs one request at a time or "")."""
         for i in self.stateful:
@@ -359,10 +424,11 @@ class SlotEngine:
                  + ("batched" if not self.batch_reason else f"one request at a time ({self.batch_reason})")]
         groups: dict[tuple, list[int]] = {}
         for i, p in self.plans.items():
-            groups.setdefault((type(self.attn_layers[i]).__name__, p.path, p.what, p.reason, p.window), []).append(i)
-        for (cls, path, what, reason, window), layers in groups.items():
+            groups.setdefault((type(self.attn_layers[i]).__name__, p.path, p.what, p.reason, p.window, p.how),
+                              []).append(i)
+        for (cls, path, what, reason, window, how), layers in groups.items():
             lines.append(f"  layers {ranges(layers)} ({cls}{f', window {window}' if window else ''}): "
-                         f"{path}: {what} [{reason}]")
+                         f"{path}: {what}{f', {how}' if how else ''} [{reason}]")
         if self.stateful:
             kinds = sorted({type(self.own_template[i]).__name__ for i in self.stateful})
             lines.append(f"  layers {ranges(self.stateful)}: model's own per-request state ({', '.join(kinds)})")
@@ -467,6 +533,9 @@ class SlotEngine:
             if isinstance(hook, RopeCapture):
                 hook.reset()
             setattr(attn, attr, hook)
+        classes = [(attn, attn.__class__) for attn, _ in self._direct]
+        for attn, sub in self._direct:
+            attn.__class__ = sub
         try:
             logits = self.model(tokens, cache=caches)[:, -1, :]
             for i, (attn, attr, hook) in self.hooks.items():
@@ -484,6 +553,8 @@ class SlotEngine:
             self.free.extend(reversed(new_slots))
             raise
         finally:
+            for attn, cls in classes:
+                attn.__class__ = cls
             for attn, attr, hook in self.hooks.values():
                 setattr(attn, attr, hook.rope)
                 if isinstance(hook, RopeCapture):
