@@ -111,10 +111,10 @@ class Step:
     context: int                      # ctx: the longest request's tokens, the new ones included
     positions: mx.array               # int32 [batch * length]
     slots: mx.array                   # int32 [batch * length]
-    key_pos: mx.array                 # int32 [batch, ctx]: position of each context slot (-1: padding)
-    query_pos: mx.array               # int32 [batch, length]
     span: tuple[int, int] | None      # (first slot, ctx): batch 1, slots first .. first + ctx - 1 in order
     table: mx.array | None            # int32 [batch, ctx]: slots to attend (padded); None with a span
+    key_pos: mx.array | None = None   # int32 [batch, ctx]: position of each context slot (-1: padding);
+    query_pos: mx.array | None = None  # int32 [batch, length]  (both None at batch 1: see make_mask)
 
 
 class ModuleRope:
@@ -166,13 +166,16 @@ class PoolCache:
             # (None for one query), which MLX's fused attention kernels take; an array mask sends
             # CUDA's sdpa to its unfused fallback (MLX 0.32.4: supports_sdpa_vector).
             return None if N == 1 else "causal"
+        if ctx.batch == 1:                        # [L, ctx], the shape of mlx-lm's own masks; no padding
+            q = mx.arange(ctx.offsets[0], ctx.offsets[0] + ctx.length, dtype=mx.int32)[:, None]
+            k = mx.arange(ctx.context, dtype=mx.int32)[None]
+            mask = k <= q
+            return mask & (k > q - window) if window else mask
         q = ctx.query_pos[:, :, None]             # [B, L, 1]
         k = ctx.key_pos[:, None, :]               # [B, 1, ctx]
         mask = (k >= 0) & (k <= q)
         if window:
             mask = mask & (k > q - window)
-        if ctx.batch == 1:                        # [L, ctx], the shape of mlx-lm's own masks
-            return mask[0]
         return mask[:, None, None] if self.engine.mask_rank == 5 else mask[:, None]
 
     @staticmethod
@@ -300,6 +303,9 @@ class SlotEngine:
             attr = rope_attr(attn)
             rope = getattr(attn, attr) if attr else None
             hook = RopeCapture(rope) if plan.call is not None else (ModuleRope(self, rope) if rope is not None else None)
+            if plan.direct:                      # the direct form calls neither its rope nor its norms
+                self.pools[i] = PoolCache(self, plan, hook, pool_size)
+                continue
             if hook is not None:
                 self.hooks[i] = (attn, attr, hook)
             for name, norm in plan.norms:        # q/k norms the plan's kernel applies: identity in forwards
@@ -503,14 +509,16 @@ class SlotEngine:
             r.slots.extend(mine)
         lens = [len(r.slots) for r in reqs]
         ctx_len = max(lens)
-        span, table = None, None
-        if B == 1:                                     # one request: no padding
+        qpos = np.asarray(offsets, np.int32)[:, None] + self._arange[:L][None]
+        if B == 1:                                     # one request: no padding, masks from its offset
             r = reqs[0]
             if r.run:
-                span = (r.slots[0], ctx_len)
+                positions, slots = device_indices(self._backend, qpos.reshape(-1), new_slots)
+                self.step_ctx = Step(B, L, offsets, ctx_len, positions, slots, (r.slots[0], ctx_len), None)
             else:
-                table = np.asarray(r.slots, np.int32)[None]
-            kpos = self._arange[:ctx_len][None]
+                positions, slots, table = device_indices(self._backend, qpos.reshape(-1), new_slots,
+                                                         np.asarray(r.slots, np.int32)[None])
+                self.step_ctx = Step(B, L, offsets, ctx_len, positions, slots, None, table)
         else:
             table = np.empty((B, ctx_len), np.int32)
             for b, r in enumerate(reqs):
@@ -519,11 +527,9 @@ class SlotEngine:
                 table[b, n:] = r.slots[0]              # padding reads a valid slot; the mask hides it
             ar = self._arange[:ctx_len][None]
             kpos = np.where(ar < np.asarray(lens, np.int32)[:, None], ar, np.int32(-1))
-        qpos = np.asarray(offsets, np.int32)[:, None] + self._arange[:L][None]
-        index = device_indices(self._backend, qpos.reshape(-1), new_slots, kpos, qpos,
-                               *(() if table is None else (table,)))
-        self.step_ctx = Step(B, L, offsets, ctx_len, *index[:4], span=span,
-                             table=None if table is None else index[4])
+            positions, slots, table, kpos, qpos = device_indices(self._backend, qpos.reshape(-1), new_slots,
+                                                                 table, kpos, qpos)
+            self.step_ctx = Step(B, L, offsets, ctx_len, positions, slots, None, table, kpos, qpos)
         if self._static_caches is not None:
             caches = self._static_caches
         else:
