@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -47,6 +48,26 @@ def _ints(flag: str):
     return parse
 
 
+def _output(ctx, param, value: Path | None) -> Path | None:
+    """An output file the run will be able to write, checked before anything is measured: its
+    directory is made (as the write would make it) and a file is created and removed there."""
+    if value is None:
+        return None
+    try:
+        nearest = value.parent
+        while not nearest.exists() and nearest != nearest.parent:
+            nearest = nearest.parent
+        if not nearest.is_dir():
+            raise click.BadParameter(f"{value}: {nearest} is not a directory")
+        value.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{value.name}.", suffix=".probe", dir=value.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise click.BadParameter(f"{value}: cannot write there ({e.strerror or e})") from None
+    return value
+
+
 def _command() -> str:
     args = sys.argv[1:]
     prog = "python -m build_tools" if args[:1] == ["bench"] else "python -m benchmarks"
@@ -86,7 +107,7 @@ def _merge(paths):
 def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_path, commit, no_check, other) -> None:
     import json
 
-    from . import micro, runner
+    from . import micro, report, runner
 
     unused = [f"--{k.replace('_', '-')}" for k, v in other.items() if v]
     if unused:
@@ -104,8 +125,8 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
     info["matrix"] = dict(kernel=kernel, shapes=shapes, tokens=tokens, dtypes=dtypes, layers=layers, steps=steps,
                           warmup=warmup)
     if json_path:
-        json_path.write_text(json.dumps({"info": info, "command": command, "cells": [c.to_json() for c in cells]},
-                                        indent=1) + "\n")
+        doc = {"info": info, "command": command, "cells": [c.to_json() for c in cells]}
+        report.atomic_write(json_path, lambda fh: fh.write((json.dumps(doc, indent=1) + "\n").encode()))
         click.echo(f"wrote {json_path}", err=True)
 
 
@@ -122,9 +143,9 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
               help="Layers chained into one step evaluated once.")
 @click.option("--steps", type=click.IntRange(min=20), default=20, show_default=True, help="Timed steps (median).")
 @click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True, help="Untimed steps per case.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG here.")
-@click.option("--markdown", "md_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=_output, help="Write results here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=_output, help="Write a PNG here.")
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False, path_type=Path), callback=_output,
               help="Write the key results (table per T, targets) as markdown here.")
 @click.option("--from-json", "from_json", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Measure nothing: report (table, targets, --plot, --markdown, --json) from earlier --json "
@@ -159,6 +180,19 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
     """Per-layer time of RoPE + KV-pool store inside a multi-layer step, on the default device:
     the registry's fused kernel, MLX's own path, the seed's per-request loop, a trivial op, a copy.
     With --e2e: end-to-end decode tokens/s of real-size models (docs/benchmarks/README.md)."""
+    from .cases import BenchmarkError
+
+    try:
+        _bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
+               from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
+               smoke, kernel)
+    except BenchmarkError as err:            # e.g. an output that cannot be written after the run
+        raise click.ClickException(str(err)) from None
+
+
+def _bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
+           from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
+           smoke, kernel) -> None:
     from . import report, runner
 
     ctx = click.get_current_context()

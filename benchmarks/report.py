@@ -8,6 +8,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from .cases import BenchmarkError
 from .runner import Cell
 
 # Targets of the native-kernel issue (docs/benchmarks/README.md).
@@ -91,26 +92,32 @@ def targets(cells: list[Cell], backend: str) -> list[tuple[str, bool, str]]:
     return out
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same directory, then rename: readers never see half a file."""
+def atomic_write(path: Path, write) -> None:
+    """Write through a temporary file in the same directory, then rename: readers never see half a
+    file. An OSError (a full disk, a directory gone since the CLI checked it) is a BenchmarkError
+    naming the file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            raise BenchmarkError(f"{path}: cannot write it ({e.strerror or e})") from None
         raise
 
 
 def write_json(path: Path, cells: list[Cell], info: dict, command: str) -> None:
     doc = {"info": info, "command": command, "cells": [c.to_json() for c in cells]}
-    _atomic_write(path, lambda fh: fh.write(json.dumps(doc, indent=1).encode()))
+    atomic_write(path, lambda fh: fh.write(json.dumps(doc, indent=1).encode()))
 
 
 _CELL_FIELDS = ("shape", "tokens", "dtype", "variant", "implementation", "us_per_layer", "bytes_per_layer")
@@ -191,7 +198,7 @@ def markdown(cells: list[Cell], info: dict, command: str) -> str:
 
 def write_markdown(path: Path, cells: list[Cell], info: dict, command: str) -> None:
     text = markdown(cells, info, command)
-    _atomic_write(path, lambda fh: fh.write(text.encode()))
+    atomic_write(path, lambda fh: fh.write(text.encode()))
 
 
 def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
@@ -250,7 +257,7 @@ def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    _atomic_write(path, lambda fh: fig.savefig(fh, dpi=110, format="png"))
+    atomic_write(path, lambda fh: fig.savefig(fh, dpi=110, format="png"))
     plt.close(fig)
 
 
@@ -364,7 +371,7 @@ def e2e_targets(cells, backend: str) -> list[tuple[str, bool, str]]:
 def write_e2e_json(path: Path, cells, skipped: list[dict], info: dict, command: str) -> None:
     doc = {"info": info, "command": command, "cells": [c.to_json() for c in cells], "skipped": skipped,
            "targets": [dict(target=n, met=m, evidence=e) for n, m, e in e2e_targets(cells, info.get("backend", ""))]}
-    _atomic_write(path, lambda fh: fh.write(json.dumps(doc, indent=1).encode()))
+    atomic_write(path, lambda fh: fh.write(json.dumps(doc, indent=1).encode()))
 
 
 def load_e2e_json(path: Path):
@@ -442,7 +449,7 @@ def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
 
 def write_e2e_markdown(path: Path, cells, skipped: list[dict], info: dict, command: str) -> None:
     text = e2e_markdown(cells, skipped, info, command)
-    _atomic_write(path, lambda fh: fh.write(text.encode()))
+    atomic_write(path, lambda fh: fh.write(text.encode()))
 
 
 def e2e_plot(path: Path, cells, title: str) -> None:
@@ -469,5 +476,5 @@ def e2e_plot(path: Path, cells, title: str) -> None:
         ax.legend(fontsize=7, ncol=len(modes))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    _atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png"))
+    atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png"))
     plt.close(fig)

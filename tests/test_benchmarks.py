@@ -4,6 +4,7 @@ derived metrics, target verdicts, reports and the CLI. No assertion here depends
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -325,6 +326,42 @@ def test_cli_merges_runs_and_refuses_duplicates(tmp_path):
 def test_cli_rejects_bad_arguments(args, message):
     res = CliRunner().invoke(bench, args)
     assert res.exit_code == 2 and message in res.output
+
+
+@pytest.mark.parametrize("extra, flag", [(e, f) for e in ([], ["--e2e"]) for f in ("--json", "--plot", "--markdown")]
+                         + [(["--kernel", "kv_pool_store"], "--json")])   # the micro benchmarks write --json only
+def test_outputs_that_cannot_be_written_are_refused_before_the_run(tmp_path, monkeypatch, flag, extra):
+    """An output path under a file, or where no file can be created, is a usage error naming the flag and
+    the path before anything is measured (the measurement would take minutes)."""
+    import benchmarks.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "host_info", lambda *a: pytest.fail("measured before checking the outputs"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    res = CliRunner().invoke(bench, extra + [flag, str(blocker / "out" / "x.json")])
+    assert res.exit_code == 2 and flag in res.output and f"{blocker} is not a directory" in res.output, res.output
+    if os.path.isdir("/proc/self"):            # nobody, root included, creates a file in /proc
+        res = CliRunner().invoke(bench, extra + [flag, "/proc/x.json"])
+        assert res.exit_code == 2 and "/proc/x.json: cannot write there" in res.output, res.output
+    res = CliRunner().invoke(bench, extra + [flag, str(tmp_path)])
+    assert res.exit_code == 2 and "is a directory" in res.output, res.output
+
+
+def test_a_write_that_fails_after_the_run_is_an_error_naming_the_file(tmp_path, monkeypatch):
+    """A write that fails once the run is over (a full disk) is a clear error, not a traceback, and
+    leaves no temporary file."""
+    info = {"backend": "cpu", "mlx": mx.__version__, "commit": "c1", "matrix": {"layers": 32}}
+    a = tmp_path / "a.json"
+    report.write_json(a, [_cell(T=1, fused=10.0, mlx=20.0)], info, "bench --tokens 1")
+
+    def full(self, *args):
+        raise OSError(28, "No space left on device")
+
+    out = tmp_path / "m.md"
+    monkeypatch.setattr(report.os, "replace", full)
+    res = CliRunner().invoke(bench, ["--from-json", str(a), "--markdown", str(out)])
+    assert res.exit_code == 1 and f"{out}: cannot write it (No space left on device)" in res.output, res.output
+    assert "Traceback" not in res.output and sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
 
 
 def test_entry_points():
