@@ -412,13 +412,14 @@ class SlotEngine:
                 return 4, f"layer {i}'s own cache ({type(own[i]).__name__}) cannot be batched"
         ranks = set()
         for i, attn in attn_layers.items():
-            mod = type(attn).__module__
+            cls = direct_attention.base_class(attn)   # the mlx-lm class, also where make_prompt_cache made it direct
+            mod = cls.__module__
             if hasattr(sys.modules.get(mod), "scaled_dot_product_attention"):
                 ranks.add(4)
                 continue
-            rank = _MANUAL_MASK_RANK.get((mod, type(attn).__name__))
+            rank = _MANUAL_MASK_RANK.get((mod, cls.__name__))
             if rank is None:
-                return 4, (f"layer {i}'s {type(attn).__name__} computes attention itself; its batched mask "
+                return 4, (f"layer {i}'s {cls.__name__} computes attention itself; its batched mask "
                            f"layout is unknown")
             ranks.add(rank(attn))
         if len(ranks) > 1:
