@@ -183,10 +183,8 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
     from .cases import BenchmarkError
 
     try:
-        _bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
-               from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
-               smoke, kernel)
-    except BenchmarkError as err:            # e.g. an output that cannot be written after the run
+        _bench(**click.get_current_context().params)
+    except BenchmarkError as err:            # an agreement check that fails, an output that cannot be written
         raise click.ClickException(str(err)) from None
 
 
@@ -323,7 +321,6 @@ def _e2e_report(cells, skipped, info, command, json_path, plot_path, md_path) ->
 def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, smoke, json_path, plot_path,
          md_path, commit, no_check, from_json=()) -> None:
     from . import report, runner
-    from .cases import BenchmarkError
 
     if from_json:
         ctx = click.get_current_context()
@@ -372,11 +369,8 @@ def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_siz
                 log(f"  skipped {m}: {why}")
         log(f"  [{i}/{total} {elapsed:.0f}s, ~{elapsed / i * (total - i):.0f}s left]")
 
-    try:
-        cells, skipped, checks = E.run(sizes, dtypes, batches, prompts, decode_tokens, modes, rounds, pool_size,
-                                         check=not no_check, progress=progress, log=log)
-    except BenchmarkError as err:
-        raise click.ClickException(str(err)) from None
+    cells, skipped, checks = E.run(sizes, dtypes, batches, prompts, decode_tokens, modes, rounds, pool_size,
+                                     check=not no_check, progress=progress, log=log)
     info["seconds"] = round(time.monotonic() - start, 1)
     if hasattr(os, "getloadavg"):
         info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
