@@ -451,3 +451,25 @@ def test_a_model_the_drop_in_cache_made_direct_still_decodes_batched():
     assert out["decode_steps"] == 5 and out["decode_tokens"] == len(PROMPTS) * 5
     for i, (p, toks) in enumerate(zip(PROMPTS, out["tokens"])):
         assert_tokens_match(model, p, toks, f"request {i}")
+
+
+def test_an_engine_forward_leaves_the_drop_in_caches_switches_in_place():
+    """The engine's forwards put back what the attention held before them, not what it held when the
+    engine was built: an engine built before make_prompt_cache leaves the drop-in cache's rope
+    switches on the model, so a drop-in cache made before the engine's forward stays fused after it."""
+    from mlx_lm.generate import generate_step
+
+    from registry.integrations.mlx_lm import make_prompt_cache
+    from registry.integrations.mlx_lm_cache import SwitchRope
+
+    mx.random.seed(0)
+    model = build_model(ARCHS["llama"], dtype=mx.float32)      # its own: the switches stay on the model
+    engine = SlotEngine(model, mode="module")                   # its hooks wrap the model's own rope
+    cache = make_prompt_cache(model)
+    attns = list(engine.attn_layers.values())
+    assert all(isinstance(a.rope, SwitchRope) for a in attns)
+    engine.generate([PROMPTS[0]], 3)
+    assert all(isinstance(a.rope, SwitchRope) for a in attns)
+    toks = [int(t) for t, _ in generate_step(mx.array(PROMPTS[0]), model, max_tokens=4, prompt_cache=cache)]
+    assert cache[0]._fusion.calls["fused"] > 0 and cache[0]._fusion.calls["stock"] == 0
+    assert_tokens_match(model, PROMPTS[0], toks, "drop-in cache after an engine forward")

@@ -49,7 +49,7 @@ class RopeCapture:
     """Stands in for an attention module's rope during one forward."""
 
     def __init__(self, rope: Any):
-        self.rope = rope                  # the module's own rope, restored after the forward
+        self.rope = rope                  # the module's own rope (what replays of the calls run)
         self.calls: list[RopeCall] = []
 
     def reset(self) -> None:
@@ -115,7 +115,7 @@ class NormBypass:
 
     @property
     def rope(self) -> Any:
-        """The module to put back after the forward (the slot engine restores every hook's `rope`)."""
+        """The module to put back after the forward (the model trace restores every hook's `rope`)."""
         return self.norm
 
     def reset(self) -> None:

@@ -536,6 +536,9 @@ class SlotEngine:
         else:
             caches = [self._assemble(self.own_template[i], self.kv_paths.get(i), i, [r.state[i] for r in reqs])
                       for i in range(len(self.own_template))]
+        # What the forward swaps in (hooks, direct classes) goes back to what was there before it, not to
+        # what the engine saw when it was built: make_prompt_cache may have installed its switches since.
+        owned = [(attn, attr, getattr(attn, attr)) for attn, attr, _ in self.hooks.values()]
         for attn, attr, hook in self.hooks.values():
             if isinstance(hook, RopeCapture):
                 hook.reset()
@@ -562,10 +565,11 @@ class SlotEngine:
         finally:
             for attn, cls in classes:
                 attn.__class__ = cls
-            for attn, attr, hook in self.hooks.values():
-                setattr(attn, attr, hook.rope)
-                if isinstance(hook, RopeCapture):
-                    hook.reset()
+            for attn, attr, module in owned:
+                setattr(attn, attr, module)
+            for hook in self.hooks.values():
+                if isinstance(hook[2], RopeCapture):
+                    hook[2].reset()
         return logits
 
     def _launch(self, reqs: list[Request], logits: mx.array) -> "_InFlight":
