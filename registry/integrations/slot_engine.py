@@ -303,13 +303,11 @@ class SlotEngine:
             attr = rope_attr(attn)
             rope = getattr(attn, attr) if attr else None
             hook = RopeCapture(rope) if plan.call is not None else (ModuleRope(self, rope) if rope is not None else None)
-            if plan.direct:                      # the direct form calls neither its rope nor its norms
-                self.pools[i] = PoolCache(self, plan, hook, pool_size)
-                continue
-            if hook is not None:
-                self.hooks[i] = (attn, attr, hook)
-            for name, norm in plan.norms:        # q/k norms the plan's kernel applies: identity in forwards
-                self.hooks[(i, name)] = (attn, name, NormBypass(norm))
+            if not plan.direct:                  # the direct form calls neither its rope nor its norms
+                if hook is not None:
+                    self.hooks[i] = (attn, attr, hook)
+                for name, norm in plan.norms:    # q/k norms the plan's kernel applies: identity in forwards
+                    self.hooks[(i, name)] = (attn, name, NormBypass(norm))
             self.pools[i] = PoolCache(self, plan, hook, pool_size)
         # Layers whose own caches hold per-request state (recurrent layers, or the state half of a
         # falcon_h1-style CacheList): each request gets its own, batched by merging along B.
