@@ -378,3 +378,31 @@ def test_entry_points():
     import click
     from build_tools.cli import cli
     assert cli.get_command(click.Context(cli), "bench") is bench   # `python -m build_tools bench`
+
+
+def test_pool_layout_variants_read_and_write_the_same_rows():
+    """benchmarks.pool_layout compares like with like: its three gathers of a slot table give the same
+    context rows, its two run reads the same run, and its three writes the same pools."""
+    from benchmarks import pool_layout
+
+    mx.random.seed(0)
+    built = {name: build() for name, build in pool_layout.ops(3, 5, 2, 4, layers=2, dtype=mx.float32).items()}
+    gathers = [np.array(v) for k, v in built.items() if k.startswith("gather")]
+    runs = [np.array(v) for k, v in built.items() if k.startswith("run")]
+    assert len(gathers) == 3 and len(runs) == 2
+    for got in gathers[1:]:
+        np.testing.assert_allclose(got, gathers[0], rtol=1e-5)
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+    slot_major = [np.array(p) for p in built["write: slot-major pool[slots] ="]]
+    for name in ("write: head-major pool[:, :, slots] =", "write: head-major put_along_axis"):
+        for sm, hm in zip(slot_major, built[name]):
+            np.testing.assert_array_equal(np.array(hm)[0].transpose(1, 0, 2), sm, err_msg=name)
+
+
+@pytest.mark.parametrize("args, message", [(["--shapes", "8x1"], "expected batch x context x kv heads x head_dim"),
+                                           (["--shapes", "8x0x1x1"], "every dimension must be positive"),
+                                           (["--layers", "0"], "expected an integer from 1 to 256")])
+def test_pool_layout_bad_arguments_name_the_flag(args, message):
+    r = subprocess.run([sys.executable, "-m", "benchmarks.pool_layout", *args], capture_output=True, text=True,
+                       cwd=PROJECT_ROOT, timeout=120)
+    assert r.returncode == 2 and f"argument {args[0]}" in r.stderr and message in r.stderr, r.stderr
