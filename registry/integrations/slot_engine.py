@@ -1,7 +1,6 @@
 """A small slot-pool decode engine over unmodified mlx-lm models (docs/engine.md).
 
-Per attention layer: K/V pools [1, Hkv, S, D] (head-major, as mlx-lm's caches: a run of slots is a
-slice attention reads as it is). Each request owns a list of pool slots, one per token;
+Per attention layer: K/V pools [S, Hkv, D]. Each request owns a list of pool slots, one per token;
 prefill writes its prompt's K/V into fresh slots, every decode step batches the running requests
 (different lengths, their own positions) and writes one slot each; attention reads each request's
 slots through a padded slot table with a causal / sliding-window / padding mask (a lone request
@@ -113,19 +112,9 @@ class Step:
     positions: mx.array               # int32 [batch * length]
     slots: mx.array                   # int32 [batch * length]
     span: tuple[int, int] | None      # (first slot, ctx): batch 1, slots first .. first + ctx - 1 in order
-    table: mx.array | None            # int32 [batch * ctx]: slots to attend, request by request (padded); None with a span
+    table: mx.array | None            # int32 [batch, ctx]: slots to attend (padded); None with a span
     key_pos: mx.array | None = None   # int32 [batch, ctx]: position of each context slot (-1: padding);
     query_pos: mx.array | None = None  # int32 [batch, length]  (both None at batch 1: see make_mask)
-    _index: dict = field(default_factory=dict, repr=False)
-
-    def index(self, name: str, heads: int, dim: int) -> mx.array:
-        """`table` or `slots` as the [1, heads, n, dim] index of take/put_along_axis on a head-major
-        pool: made once per step and shape, so the layers share it (one graph node, not one each)."""
-        hit = self._index.get((name, heads, dim))
-        if hit is None:
-            flat = getattr(self, name).reshape(1, 1, -1, 1)
-            hit = self._index[(name, heads, dim)] = mx.broadcast_to(flat, (1, heads, flat.shape[2], dim))
-        return hit
 
 
 class ModuleRope:
@@ -189,22 +178,26 @@ class PoolCache:
             mask = mask & (k > q - window)
         return mask[:, None, None] if self.engine.mask_rank == 5 else mask[:, None]
 
-    def _pools(self, keys: mx.array, values: mx.array) -> None:
-        if self.k_pool is None:                   # head-major [1, Hkv, S, D]: the kernels' slot s is row s
-            self.k_pool = mx.zeros((1, keys.shape[1], self.pool_size, keys.shape[3]), dtype=keys.dtype)
-            self.v_pool = mx.zeros((1, values.shape[1], self.pool_size, values.shape[3]), dtype=values.dtype)
+    @staticmethod
+    def _tokens(x: mx.array) -> mx.array:         # [B, H, L, D] -> [B*L, H, D]
+        B, H, L, D = x.shape
+        return x.transpose(0, 2, 1, 3).reshape(B * L, H, D)
 
     def _store(self, pool: mx.array, x: mx.array) -> mx.array:
         """MLX's own write of x [B, H, L, D] into `pool` at the step's slots: a slice update when they
-        are one run (as mlx-lm writes its cache), else a scatter along the slot axis."""
+        are one run (as mlx-lm writes its cache), else a scatter."""
         ctx = self.engine.step_ctx
         if ctx.span is not None:
             first, n = ctx.span
-            pool[:, :, first + ctx.offsets[0]:first + n] = x
-            return pool
-        B, H, L, D = x.shape
-        rows = x.transpose(1, 0, 2, 3).reshape(1, H, B * L, D)     # token t = b * L + l, as the slots
-        return mx.put_along_axis(pool, ctx.index("slots", H, D), rows, axis=2)
+            pool[first + ctx.offsets[0]:first + n] = x.swapaxes(1, 2)     # [1, L, H, D]: the leading 1 dropped
+        else:
+            pool[ctx.slots] = self._tokens(x)
+        return pool
+
+    def _pools(self, keys: mx.array, values: mx.array) -> None:
+        if self.k_pool is None:
+            self.k_pool = mx.zeros((self.pool_size, keys.shape[1], keys.shape[3]), dtype=keys.dtype)
+            self.v_pool = mx.zeros((self.pool_size, values.shape[1], values.shape[3]), dtype=values.dtype)
 
     def _call(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """The plan's one call: rotated (q, k); the pools rebound to its in-place outputs. The kernels
@@ -250,20 +243,25 @@ class PoolCache:
         self.engine.calls[self.plan.path] += 1
         return self._read()
 
+    @staticmethod
+    def _run(pool: mx.array, first: int, n: int) -> mx.array:
+        """Slots first .. first + n - 1 of a [S, H, D] pool as the [1, H, n, D] view attention reads, no
+        copy: two graph nodes (a flatten and the view) where a slice, an expand and a transpose are
+        three, each costing host time on CUDA (docs/benchmarks/e2e-root-cause.md, section 12). The
+        pool stays slot-major: a batch's gather of whole [H, D] rows is 1.7-5x faster than a
+        head-major pool's (section 12)."""
+        S, H, D = pool.shape
+        return mx.as_strided(pool, (1, H, n, D), (S * H * D, D, H * D, 1), first * H * D)
+
     def _read(self) -> tuple[mx.array, mx.array]:
         """Keys and values to attend, [B, Hkv, ctx, D]."""
         ctx = self.engine.step_ctx
-        if ctx.span is not None:                   # a slice of the pool, as mlx-lm reads its cache: no gather
+        if ctx.span is not None:                   # a view of the pool, as mlx-lm reads its cache: no gather
             first, n = ctx.span
-            return self.k_pool[:, :, first:first + n], self.v_pool[:, :, first:first + n]
-        return self._gather(self.k_pool), self._gather(self.v_pool)
-
-    def _gather(self, pool: mx.array) -> mx.array:
-        """The table's slots of a head-major pool, [B, Hkv, ctx, D] (a view of one gather)."""
-        ctx = self.engine.step_ctx
-        _, H, _, D = pool.shape
-        rows = mx.take_along_axis(pool, ctx.index("table", H, D), axis=2)      # [1, H, B * ctx, D]
-        return rows.reshape(H, ctx.batch, ctx.context, D).transpose(1, 0, 2, 3)
+            return self._run(self.k_pool, first, n), self._run(self.v_pool, first, n)
+        kk = self.k_pool[ctx.table].transpose(0, 2, 1, 3)   # [B, Hkv, ctx, D]
+        vv = self.v_pool[ctx.table].transpose(0, 2, 1, 3)
+        return kk, vv
 
 
 @dataclass
@@ -537,7 +535,7 @@ class SlotEngine:
                 self.step_ctx = Step(B, L, offsets, ctx_len, positions, slots, (r.slots[0], ctx_len), None)
             else:
                 positions, slots, table = device_indices(self._backend, qpos.reshape(-1), new_slots,
-                                                         np.asarray(r.slots, np.int32))
+                                                         np.asarray(r.slots, np.int32)[None])
                 self.step_ctx = Step(B, L, offsets, ctx_len, positions, slots, None, table)
         else:
             table = np.empty((B, ctx_len), np.int32)
@@ -548,7 +546,7 @@ class SlotEngine:
             ar = self._arange[:ctx_len][None]
             kpos = np.where(ar < np.asarray(lens, np.int32)[:, None], ar, np.int32(-1))
             positions, slots, table, kpos, qpos = device_indices(self._backend, qpos.reshape(-1), new_slots,
-                                                                 table.reshape(-1), kpos, qpos)
+                                                                 table, kpos, qpos)
             self.step_ctx = Step(B, L, offsets, ctx_len, positions, slots, None, table, kpos, qpos)
         if self._static_caches is not None:
             caches = self._static_caches
