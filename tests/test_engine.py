@@ -373,15 +373,16 @@ def _record_masks(engine: SlotEngine) -> list:
     return seen
 
 
+@pytest.mark.parametrize("mode", ["fused", "module"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_a_lone_request_reads_a_slice_with_mlx_lms_masks(arch):
+def test_a_lone_request_reads_a_slice_with_mlx_lms_masks(arch, mode):
     """One request at a time, its slots consecutive: every step has a span instead of a slot table
     (attention reads a slice of each pool), and the masks are mlx-lm's own forms while the context
     fits the window (None for one query, "causal" for the prompt), arrays past it (gemma3's sliding
     layers, window 8: a 12-token prompt + 16 tokens). With its slots scattered by an earlier batch,
     the same request reads through the table. Its tokens are mlx-lm's either way."""
     model = model_of(arch)
-    engine = SlotEngine(model, pool_size=64)
+    engine = SlotEngine(model, pool_size=64, mode=mode)        # module: the run written as a slice update
     seen = _record_masks(engine)
     toks = engine.generate([PROMPTS[2]], NEW_TOKENS)["tokens"][0]
     assert_tokens_match(model, PROMPTS[2], toks, f"{arch}: lone request")
