@@ -12,6 +12,7 @@ evaluation never keeps the gathered arrays; microseconds per op, the best of 2 m
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -91,12 +92,28 @@ def _layers(text: str) -> int:
     return n
 
 
+def _memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.pool_layout")
     p.add_argument("--shapes", type=lambda s: [_shape(t) for t in s.split(",")],
                    default=[(32, 192, 8, 128), (8, 192, 8, 64)], help="e.g. 32x192x8x128,8x192x8x64")
     p.add_argument("--layers", type=_layers, default=32, help="ops per evaluation, 1-256 (default 32)")
     args = p.parse_args(argv)
+    budget = _memory() // 2
+    for B, ctx, H, D in args.shapes:
+        elements = B * ctx * H * D
+        need = 2 * args.layers * elements * 2            # both layouts' pools, bf16
+        if elements > 2**31 - 1:
+            p.error(f"argument --shapes: {B}x{ctx}x{H}x{D}: a pool of {B * ctx} slots is {elements} elements; "
+                    f"MLX's ops take at most 2^31 - 1")
+        if need > budget:
+            p.error(f"argument --shapes/--layers: {B}x{ctx}x{H}x{D} with --layers {args.layers} needs "
+                    f"{need / 2**30:.1f} GiB of pools; at most half of this machine's memory "
+                    f"({budget / 2**30:.1f} GiB): use a smaller shape or fewer --layers")
     print(f"# {mx.default_device()}, mlx {mx.__version__}: us per op, {args.layers} ops per evaluation, bfloat16")
     for B, ctx, H, D in args.shapes:
         for name, build in ops(B, ctx, H, D, args.layers).items():

@@ -401,7 +401,10 @@ def test_pool_layout_variants_read_and_write_the_same_rows():
 
 @pytest.mark.parametrize("args, message", [(["--shapes", "8x1"], "expected batch x context x kv heads x head_dim"),
                                            (["--shapes", "8x0x1x1"], "every dimension must be positive"),
-                                           (["--layers", "0"], "expected an integer from 1 to 256")])
+                                           (["--layers", "0"], "expected an integer from 1 to 256"),
+                                           (["--shapes", "100000x100000x8x128"], "MLX's ops take at most 2^31 - 1"),
+                                           (["--shapes", "1000x1000x8x128", "--layers", "256"],
+                                            "GiB of pools; at most half of this machine's memory")])
 def test_pool_layout_bad_arguments_name_the_flag(args, message):
     r = subprocess.run([sys.executable, "-m", "benchmarks.pool_layout", *args], capture_output=True, text=True,
                        cwd=PROJECT_ROOT, timeout=120)
