@@ -23,10 +23,12 @@ def count(arrays) -> collections.Counter:
     return collections.Counter(n for n in names if not n.startswith("x") or n in ("x",))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=16)
-    args = p.parse_args()
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.graph_count")
+    p.add_argument("--layers", type=int, default=16, help="decoder layers of the model, 1-256 (default 16)")
+    args = p.parse_args(argv)
+    if not 1 <= args.layers <= 256:
+        p.error(f"argument --layers: {args.layers}: expected an integer from 1 to 256")
     from registry.integrations.mlx_lm import build_kernel_sets, build_model, make_own_cache, make_prompt_cache
     from registry.integrations.slot_engine import SlotEngine
 

@@ -409,3 +409,10 @@ def test_pool_layout_bad_arguments_name_the_flag(args, message):
     r = subprocess.run([sys.executable, "-m", "benchmarks.pool_layout", *args], capture_output=True, text=True,
                        cwd=PROJECT_ROOT, timeout=120)
     assert r.returncode == 2 and f"argument {args[0]}" in r.stderr and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("layers", ["0", "-3", "257"])
+def test_graph_count_bad_layers_name_the_flag(layers):
+    r = subprocess.run([sys.executable, "-m", "benchmarks.graph_count", "--layers", layers], capture_output=True,
+                       text=True, cwd=PROJECT_ROOT, timeout=120)
+    assert r.returncode == 2 and "argument --layers" in r.stderr and "from 1 to 256" in r.stderr, r.stderr
