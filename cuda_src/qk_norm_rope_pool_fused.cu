@@ -3,8 +3,10 @@
 //
 // One warp per row (one head of one token: q rows first, then kv rows, token-major): lane l owns the
 // feature pairs p = l, l + 32, ... < head_dim / 2 (rotary pairs (p, p + R/2) or (2p, 2p + 1), then
-// pass-through pairs (R + 2j, R + 2j + 1)). Pass 1 sums the squares (warp shuffle reduction), pass 2
-// normalises (fp32, one rounding to T, as the model's norm returns T), rotates in fp32 and stores.
+// pass-through pairs (R + 2j, R + 2j + 1)). Everything a lane needs (its inputs, weights, inverse
+// frequencies, v, the token's slot and position) is loaded before the first use, and held in
+// registers up to head_dim 256. Pass 1 sums the squares (warp shuffle reduction), pass 2 normalises
+// (fp32, one rounding to T, as the model's norm returns T), rotates in fp32 and stores.
 // The grid is 1-D (n_tokens * (n_q_heads + n_kv_heads) * 32 threads), so prefill sizes never meet
 // the 65535-block limit of the other axes. q/k/v/q_out/k_out are strided (act_layout 0 [T, H, D] or
 // 1 [B, H, L, D], their own Strides; aot_cuda::act_row): feature d of a row is d * s[3] elements from
@@ -32,6 +34,43 @@ struct ActStrides {
 template <typename T>
 __device__ __forceinline__ float rounded(float x) { return Cvt<T>::load(Cvt<T>::store(x)); }
 
+// Pairs per lane held in registers: a row of head_dim <= 2 * 32 * NP = 256 is one chunk, loaded once.
+constexpr int NP = 4;
+
+// One lane's share of a chunk of a row: pairs i = c0 + lane + 32 j (j < NP), each with its feature
+// indices, inputs, norm weights, inverse frequency (rotary pairs) and, for kv rows, v.
+struct Chunk {
+  int a[NP], b[NP];
+  float x1[NP], x2[NP], w1[NP], w2[NP], f[NP], v1[NP], v2[NP];
+};
+
+// Every load of a chunk issued together, before anything waits on one: the kernel's time at decode
+// sizes is memory latency, so one round trip instead of one per dependent step.
+template <typename T>
+__device__ __forceinline__ void load_chunk(Chunk& c, int c0, int lane, int pairs, int half_rot, int rotary_dims,
+                                           bool trad, const T* in, long long in_step, const T* w,
+                                           const float* inv_freq, const T* vr, long long v_step, bool is_q) {
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+    const int i = c0 + lane + 32 * j;
+    if (i >= pairs) continue;
+    const bool rotary = i < half_rot;
+    const int a = rotary ? (trad ? 2 * i : i) : rotary_dims + 2 * (i - half_rot);
+    const int b = rotary && !trad ? a + half_rot : a + 1;
+    c.a[j] = a;
+    c.b[j] = b;
+    c.x1[j] = Cvt<T>::load(in[a * in_step]);
+    c.x2[j] = Cvt<T>::load(in[b * in_step]);
+    c.w1[j] = Cvt<T>::load(w[a]);
+    c.w2[j] = Cvt<T>::load(w[b]);
+    c.f[j] = rotary ? inv_freq[i] : 0.0f;
+    if (!is_q) {
+      c.v1[j] = Cvt<T>::load(vr[a * v_step]);
+      c.v2[j] = Cvt<T>::load(vr[b * v_step]);
+    }
+  }
+}
+
 template <typename T, typename P>
 __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      T* __restrict__ q_out, T* __restrict__ k_out, P* k_pool, P* v_pool,
@@ -54,56 +93,65 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   T* out = (is_q ? q_out : k_out) + aot_cuda::act_row(t, h, out_st, p.act_layout, p.seq_len);
   const long long in_step = in_st.s[3], out_step = out_st.s[3];
   const T* w = is_q ? q_weight : k_weight;
+  const T* vr = is_q ? v : v + aot_cuda::act_row(t, h, st.v, p.act_layout, p.seq_len);
+  const long long v_step = st.v.s[3];
   const int half_rot = p.rotary_dims / 2;
   const int pairs = D / 2;
   const bool trad = p.traditional != 0;
+  const int slot = is_q ? -1 : slots[t];
+  const float pos = static_cast<float>(positions[t]) * p.pos_scale;
+  const int chunk = 32 * NP;
 
+  // Pass 1: the sum of squares. A row of one chunk stays in registers for pass 2.
+  Chunk c;
   float ss = 0.0f;
-  for (int i = lane; i < pairs; i += 32) {
-    const int a = i < half_rot ? (trad ? 2 * i : i) : p.rotary_dims + 2 * (i - half_rot);
-    const int b = i < half_rot && !trad ? a + half_rot : a + 1;
-    const float x1 = Cvt<T>::load(in[a * in_step]), x2 = Cvt<T>::load(in[b * in_step]);
-    ss += x1 * x1 + x2 * x2;
+  for (int c0 = 0; c0 < pairs; c0 += chunk) {
+    load_chunk<T>(c, c0, lane, pairs, half_rot, p.rotary_dims, trad, in, in_step, w, inv_freq, vr, v_step, is_q);
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+      if (c0 + lane + 32 * j < pairs) ss += c.x1[j] * c.x1[j] + c.x2[j] * c.x2[j];
+    }
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   const float r = rsqrtf(ss / static_cast<float>(D) + p.eps);
 
-  const int slot = is_q ? -1 : slots[t];
   // Never out of bounds (nor a division by zero rows of inconsistent head-major scalars).
   const bool store = !is_q && slot >= 0 && slot < p.pool_size && (p.pool_layout == 0 || p.pool_rows > 0);
   long long dst = 0;
-  const T* vr = v;
-  long long v_step = 0;
   if (store) {
-    vr = v + aot_cuda::act_row(t, h, st.v, p.act_layout, p.seq_len);
-    v_step = st.v.s[3];
     const long long b = slot / p.pool_rows, s = slot % p.pool_rows;
     dst = p.pool_layout == 0 ? (static_cast<long long>(slot) * p.n_kv_heads + h) * D
                              : ((b * p.n_kv_heads + h) * p.pool_rows + s) * D;
   }
-  const float pos = static_cast<float>(positions[t]) * p.pos_scale;
-  for (int i = lane; i < pairs; i += 32) {
-    const bool rotary = i < half_rot;
-    const int a = rotary ? (trad ? 2 * i : i) : p.rotary_dims + 2 * (i - half_rot);
-    const int b = rotary && !trad ? a + half_rot : a + 1;
-    float y1 = rounded<T>(Cvt<T>::load(in[a * in_step]) * r * (Cvt<T>::load(w[a]) + p.weight_offset));
-    float y2 = rounded<T>(Cvt<T>::load(in[b * in_step]) * r * (Cvt<T>::load(w[b]) + p.weight_offset));
-    if (rotary) {
-      float s, c;
-      sincosf(pos * inv_freq[i], &s, &c);
-      const float x1 = y1 * p.mscale, x2 = y2 * p.mscale;
-      y1 = x1 * c - x2 * s;
-      y2 = x1 * s + x2 * c;
+  // Pass 2: normalise (fp32, one rounding to T, as the model's norm returns T), rotate, store.
+  for (int c0 = 0; c0 < pairs; c0 += chunk) {
+    if (pairs > chunk) {  // rows of several chunks (head_dim > 256) load each one again
+      load_chunk<T>(c, c0, lane, pairs, half_rot, p.rotary_dims, trad, in, in_step, w, inv_freq, vr, v_step, is_q);
     }
-    const T o1 = Cvt<T>::store(y1), o2 = Cvt<T>::store(y2);
-    out[a * out_step] = o1;
-    out[b * out_step] = o2;
-    if (store) {
-      k_pool[dst + a] = Cvt<P>::store(Cvt<T>::load(o1));
-      k_pool[dst + b] = Cvt<P>::store(Cvt<T>::load(o2));
-      v_pool[dst + a] = Cvt<P>::store(Cvt<T>::load(vr[a * v_step]));
-      v_pool[dst + b] = Cvt<P>::store(Cvt<T>::load(vr[b * v_step]));
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+      const int i = c0 + lane + 32 * j;
+      if (i >= pairs) continue;
+      const int a = c.a[j], b = c.b[j];
+      float y1 = rounded<T>(c.x1[j] * r * (c.w1[j] + p.weight_offset));
+      float y2 = rounded<T>(c.x2[j] * r * (c.w2[j] + p.weight_offset));
+      if (i < half_rot) {
+        float s, co;
+        sincosf(pos * c.f[j], &s, &co);
+        const float x1 = y1 * p.mscale, x2 = y2 * p.mscale;
+        y1 = x1 * co - x2 * s;
+        y2 = x1 * s + x2 * co;
+      }
+      const T o1 = Cvt<T>::store(y1), o2 = Cvt<T>::store(y2);
+      out[a * out_step] = o1;
+      out[b * out_step] = o2;
+      if (store) {
+        k_pool[dst + a] = Cvt<P>::store(Cvt<T>::load(o1));
+        k_pool[dst + b] = Cvt<P>::store(Cvt<T>::load(o2));
+        v_pool[dst + a] = Cvt<P>::store(c.v1[j]);
+        v_pool[dst + b] = Cvt<P>::store(c.v2[j]);
+      }
     }
   }
 }
