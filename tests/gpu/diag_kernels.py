@@ -1,10 +1,12 @@
-"""Probe (not a test): the GPU time of one batch-1 decode step's kernels, per kernel name, with
-mlx-lm's own cache or the drop-in fused cache, measured by Nsight Compute (each kernel's
-gpu__time_duration; launch gaps between graph nodes are not included). The probe profiles only its
-timed steps (cuProfilerStart/Stop around them), every step evaluated on its own.
+"""Probe (not a test): the GPU time of one decode step's kernels, per kernel name, with mlx-lm's own
+cache or the drop-in fused cache, measured by Nsight Compute (each kernel's gpu__time_duration;
+launch gaps between graph nodes are not included). The probe profiles only its timed steps
+(cuProfilerStart/Stop around them), every step evaluated on its own. With --batch B > 1 the B
+requests are prefilled one by one and their caches merged into the batch caches mlx-lm's
+BatchGenerator decodes with (BatchKVCache / BatchRotatingKVCache, the cache classes' own merge).
 
     ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file K.csv \
-        python3 tests/gpu/diag_kernels.py --size llama-8b --layers 4 --cache fused_cache --steps 3
+        python3 tests/gpu/diag_kernels.py --size llama-8b --layers 4 --cache fused_cache --steps 3 [--batch 32]
     python3 tests/gpu/diag_kernels.py --summarize K.csv --steps 3 --layers 4
 
 docs/benchmarks/e2e-root-cause.md.
@@ -21,9 +23,12 @@ p.add_argument("--layers", type=int, default=4)
 p.add_argument("--cache", default="fused_cache", choices=("mlx_lm", "fused_cache"))
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--prompt", type=int, default=128)
+p.add_argument("--batch", type=int, default=1, help="decode B requests in mlx-lm's batch caches (not with --prefill)")
 p.add_argument("--prefill", action="store_true", help="profile prefills of --prompt tokens (a fresh cache each) instead")
 p.add_argument("--summarize", metavar="CSV", help="print per-step, per-layer kernel times from an ncu CSV log")
 args = p.parse_args()
+if args.batch < 1 or (args.batch > 1 and args.prefill):
+    p.error(f"argument --batch: {args.batch}: expected an integer >= 1, and 1 with --prefill")
 
 
 def summarize(path: str) -> None:
@@ -69,8 +74,15 @@ except OSError as e:
 model = random_model(dict(SIZES[args.size].config, num_hidden_layers=args.layers), mx.bfloat16)
 make = make_prompt_cache if args.cache == "fused_cache" else make_own_cache
 with as_shipped(args.cache, model):
-    cache = make(model)
-    y = mx.argmax(model(mx.array([[1] * args.prompt]), cache=cache)[:, -1], axis=-1)
+    per_request = [make(model) for _ in range(args.batch)]
+    ys = [mx.argmax(model(mx.array([[1 + b] * args.prompt]), cache=c)[:, -1], axis=-1)
+          for b, c in enumerate(per_request)]
+    mx.eval(ys)
+    if args.batch == 1:
+        cache, y = per_request[0], ys[0]
+    else:
+        cache = [layer[0].merge(list(layer)) for layer in zip(*per_request)]
+        y = mx.concatenate(ys)
     for _ in range(3):                                   # warm: plans bound, graphs cached
         y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
         mx.eval(y)
@@ -84,5 +96,5 @@ with as_shipped(args.cache, model):
         mx.eval(y)
     mx.synchronize()
     cuda.cuProfilerStop()
-print(f"{args.size} x{args.layers} layers, {args.cache}: {args.steps} {'prefills' if args.prefill else 'steps'} "
-      f"profiled", flush=True)
+print(f"{args.size} x{args.layers} layers, {args.cache}, batch {args.batch}: {args.steps} "
+      f"{'prefills' if args.prefill else 'steps'} profiled", flush=True)
