@@ -427,6 +427,49 @@ def test_bad_arguments():
         mc.bind_prompt_cache(model, [stock.KVCache()])
 
 
+def test_batch_decode_slots_are_made_on_the_device(native_artifacts):
+    """A batch decode step's slots (b * S + idx) are one Arange every layer shares, not host data:
+    on CUDA an array made from host data is managed memory, which the GPU faults in with a copy per
+    step (ncu: ~200 us at batch 32, e2e-root-cause.md section 13). Rows of the merged buffers land
+    where the stock cache puts them."""
+    from benchmarks.graph_count import count
+    model = fresh_model("llama")
+    caches = [make_prompt_cache(model) for _ in PROMPTS]
+    for c, p in zip(caches, PROMPTS):
+        model(mx.array([p]), cache=c)
+    merged = [c[0].merge([x[i] for x in caches]) for i, c in enumerate(zip(*caches))]
+    calls = []
+    original = mc._Fused._write
+
+    def spy(self, q, k, values, positions, slots, weights=None):
+        calls.append(slots)
+        return original(self, q, k, values, positions, slots, weights)
+
+    mc._Fused._write = spy
+    try:
+        step = merged[0]._idx
+        y = model(mx.array([[3]] * len(PROMPTS)), cache=merged)
+    finally:
+        mc._Fused._write = original
+    S = merged[0].keys.shape[2]
+    assert len(calls) == len(merged) and all(s is calls[0] for s in calls)   # one array for every layer
+    nodes = count([calls[0]])
+    assert nodes["Arange"] == 1 and set(nodes) <= {"Arange", "Slice", "Contiguous"}, nodes
+    assert calls[0].tolist() == [b * S + step for b in range(len(PROMPTS))]
+    want = []
+    for p in PROMPTS:
+        c = [import_mlx_lm_module("cache").KVCache() for _ in model.layers]
+        model(mx.array([p]), cache=c)
+        want.append(c)
+    stock = [c[0].merge([x[i] for x in want]) for i, c in enumerate(zip(*want))]
+    model(mx.array([[3]] * len(PROMPTS)), cache=stock)
+    mx.eval(y)
+    for f, st in zip(merged, stock):                  # float32: the rope's last bits may differ
+        assert f._idx == st._idx and f.keys.shape == st.keys.shape
+        for a, b in ((f.keys, st.keys), (f.values, st.values)):
+            assert mx.allclose(a[..., :f._idx, :], b[..., :f._idx, :], atol=1e-4).item()
+
+
 def test_decode_writes_the_buffer_in_place(native_artifacts):
     """Under generate_step's async_eval pipelining the kernel writes the same KV buffer every
     decode step (no copy of the cache per step; growth is the only one)."""

@@ -57,6 +57,7 @@ from . import direct_attention
 from ._capture import (DataflowError, RopeCall, RopeCapture, rebind, resolve, resolve_with_module_rope,
                        split_calls)
 from .. import envs
+from ..kernels._base import INT32_MAX
 from ..native import device_indices
 from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, import_mlx_lm_module,
                      kv_cache_path, rope_attr)
@@ -467,15 +468,37 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
         return _rebind(BatchRotatingKVCache.merge(caches), caches)
 
 
+_DECODE_SLOTS: dict[tuple, mx.array] = {}
+
+
+def _decode_slots(start: int, B: int, S: int, backend: str) -> mx.array:
+    """int32 [B] slots b * S + start of a batch decode step, made on the device (one Arange, padded
+    past 8 bytes so that MLX allocates device memory, as registry.native.device_indices explains):
+    no host data, so no per-step copy of managed memory that the GPU must fault in (ncu at batch 32:
+    ~200 us per step, docs/benchmarks/e2e-root-cause.md section 13). Memoised: every layer of a step
+    asks for the same."""
+    key = (start, B, S, backend)
+    hit = _DECODE_SLOTS.get(key)
+    if hit is None:
+        if len(_DECODE_SLOTS) > 64:
+            _DECODE_SLOTS.clear()
+        if start + (B + 2) * S > INT32_MAX:                  # the padded range would overflow int32
+            hit = _int_index(start, 1, B, S, 0, backend)[1]
+        else:
+            hit = mx.contiguous(mx.arange(start, start + (B + 2) * S, S, dtype=mx.int32)[:B])
+        _DECODE_SLOTS[key] = hit
+    return hit
+
+
 def _batch_index(offset: mx.array, start: int, L: int, S: int, backend: str) -> tuple[mx.array, mx.array]:
     """(positions, slots) int32 [B*L] for a batch cache: token l of row b at position offset[b] + l,
     written to row start + l of batch row b (slot b*S + start + l). Lazy: no host sync. The slots
-    are a constant every layer of a step shares (_int_index's memo); a decode step's positions are
-    the offsets themselves, so neither adds a graph node."""
+    are a constant every layer of a step shares (memoised); a decode step's positions are the
+    offsets themselves, and its slots one Arange on the device (_decode_slots)."""
     B = offset.shape[0]
-    _, slots = _int_index(start, L, B, S, 0, backend)
     if L == 1:
-        return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), slots
+        return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), _decode_slots(start, B, S, backend)
+    _, slots = _int_index(start, L, B, S, 0, backend)
     positions = (offset.astype(mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]).reshape(-1)
     return positions, slots
 
