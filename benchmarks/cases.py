@@ -8,6 +8,7 @@ time graph building and evaluation separately.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,6 +16,20 @@ import mlx.core as mx
 import numpy as np
 
 from registry.rope import RopeConfig
+
+
+MAX_LAYERS = 256                 # the --layers range of the argparse scripts (graph_count, pool_layout)
+
+
+def layer_count(text: str) -> int:
+    """argparse `type=` for --layers: an integer from 1 to MAX_LAYERS, else a usage error naming it."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_LAYERS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer from 1 to {MAX_LAYERS}")
+    return n
 
 
 class BenchmarkError(RuntimeError):

@@ -13,6 +13,8 @@ import tempfile
 
 import mlx.core as mx
 
+from .cases import layer_count
+
 
 def count(arrays) -> collections.Counter:
     """Primitive names of the lazy graph behind `arrays` (mx.export_to_dot's nodes)."""
@@ -25,10 +27,8 @@ def count(arrays) -> collections.Counter:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.graph_count")
-    p.add_argument("--layers", type=int, default=16, help="decoder layers of the model, 1-256 (default 16)")
+    p.add_argument("--layers", type=layer_count, default=16, help="decoder layers of the model, 1-256 (default 16)")
     args = p.parse_args(argv)
-    if not 1 <= args.layers <= 256:
-        p.error(f"argument --layers: {args.layers}: expected an integer from 1 to 256")
     from registry.integrations.mlx_lm import build_kernel_sets, build_model, make_own_cache, make_prompt_cache
     from registry.integrations.slot_engine import SlotEngine
 

@@ -18,6 +18,8 @@ import time
 
 import mlx.core as mx
 
+from .cases import layer_count
+
 
 def _time(build, reps: int = 10) -> float:
     """Median seconds of one evaluation of build()'s arrays."""
@@ -82,16 +84,6 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     return B, ctx, H, D
 
 
-def _layers(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 256:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer from 1 to 256")
-    return n
-
-
 def _memory() -> int:
     """This machine's physical memory in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -101,7 +93,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.pool_layout")
     p.add_argument("--shapes", type=lambda s: [_shape(t) for t in s.split(",")],
                    default=[(32, 192, 8, 128), (8, 192, 8, 64)], help="e.g. 32x192x8x128,8x192x8x64")
-    p.add_argument("--layers", type=_layers, default=32, help="ops per evaluation, 1-256 (default 32)")
+    p.add_argument("--layers", type=layer_count, default=32, help="ops per evaluation, 1-256 (default 32)")
     args = p.parse_args(argv)
     budget = _memory() // 2
     for B, ctx, H, D in args.shapes:
