@@ -380,18 +380,32 @@ def test_a_lone_request_reads_a_slice_with_mlx_lms_masks(arch, mode):
     (attention reads a slice of each pool), and the masks are mlx-lm's own forms while the context
     fits the window (None for one query, "causal" for the prompt), arrays past it (gemma3's sliding
     layers, window 8: a 12-token prompt + 16 tokens). With its slots scattered by an earlier batch,
-    the same request reads through the table. Its tokens are mlx-lm's either way."""
+    the same request reads through the table. Its tokens are mlx-lm's either way. A decode token
+    past the window reads only the window's last slots, with no mask (what a RotatingKVCache holds
+    and mlx-lm's mask for it: MLX's fused attention takes it, not an array mask on CUDA)."""
     model = model_of(arch)
     engine = SlotEngine(model, pool_size=64, mode=mode)        # module: the run written as a slice update
     seen = _record_masks(engine)
+    rows = []                                                  # (step, window, slots read) per layer
+    for pool in engine.pools.values():
+        def read(_pool=pool, _orig=pool._read):
+            kv = _orig()
+            rows.append((engine.step_ctx, _pool.window, kv[0].shape[2]))
+            return kv
+        pool._read = read
     toks = engine.generate([PROMPTS[2]], NEW_TOKENS)["tokens"][0]
     assert_tokens_match(model, PROMPTS[2], toks, f"{arch}: lone request")
     assert seen and all(s.span == (0, s.context) and s.table is None for s, _, _ in seen)
     for s, window, mask in seen:
         if not window or s.context <= window:
             assert (mask is None) if s.length == 1 else (mask == "causal"), (s.context, window, mask)
+        elif s.length == 1:
+            assert mask is None, (s.context, window, mask)
         else:
             assert isinstance(mask, mx.array), (s.context, window, mask)
+    for s, window, n in rows:
+        assert n == (window if s.length == 1 and window and s.context > window else s.context), (s.context, window, n)
+    assert any(window and n == window < s.context for s, window, n in rows) == (arch == "gemma3")
     fits = {not w or s.context <= w for s, w, _ in seen}
     assert fits == ({True, False} if arch == "gemma3" else {True})
 

@@ -6,7 +6,8 @@ prefill writes its prompt's K/V into fresh slots, every decode step batches the 
 slots through a padded slot table with a causal / sliding-window / padding mask (a lone request
 whose slots are consecutive reads them as a slice of the pool, and while its context fits the window
 gets mlx-lm's own masks: None for one query, "causal"; MLX's fused attention kernels take those and
-not an array mask on CUDA). Finished requests give their slots back; new requests join at the next
+not an array mask on CUDA; past the window, a sliding layer's decode token reads only the window's
+last slots, with no mask, as mlx-lm's RotatingKVCache gives it). Finished requests give their slots back; new requests join at the next
 step (continuous batching).
 
 The model's own code runs everything (embeddings, norms, projections, gates, soft-caps, MLP, head);
@@ -116,6 +117,11 @@ class Step:
     key_pos: mx.array | None = None   # int32 [batch, ctx]: position of each context slot (-1: padding);
     query_pos: mx.array | None = None  # int32 [batch, length]  (both None at batch 1: see make_mask)
 
+    def windowed(self, window: int | None) -> bool:
+        """A lone request's decode token past a sliding window: a layer of that window reads only its
+        last `window` slots, exactly the keys the window lets the query see, so it needs no mask."""
+        return self.span is not None and self.length == 1 and bool(window) and self.context > window
+
 
 class ModuleRope:
     """The module's own rope at the engine's per-request positions (module path)."""
@@ -161,6 +167,8 @@ class PoolCache:
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False, **_):
         ctx = self.engine.step_ctx
         window = window_size or self.window       # RotatingKVCache.make_mask falls back to max_size too
+        if not return_array and N == 1 and window == self.window and ctx.windowed(window):
+            return None                           # _read gives this window's layers its last `window` slots
         if ctx.batch == 1 and not return_array and (not window or ctx.context <= window):
             # One request whose context fits the window: the mask is causal, so mlx-lm's own forms
             # (None for one query), which MLX's fused attention kernels take; an array mask sends
@@ -258,6 +266,8 @@ class PoolCache:
         ctx = self.engine.step_ctx
         if ctx.span is not None:                   # a view of the pool, as mlx-lm reads its cache: no gather
             first, n = ctx.span
+            if ctx.windowed(self.window):          # past the window: its last slots, as a RotatingKVCache holds
+                first, n = first + n - self.window, self.window
             return self._run(self.k_pool, first, n), self._run(self.v_pool, first, n)
         kk = self.k_pool[ctx.table].transpose(0, 2, 1, 3)   # [B, Hkv, ctx, D]
         vv = self.v_pool[ctx.table].transpose(0, 2, 1, 3)
