@@ -500,6 +500,20 @@ def test_prefill_and_growth_never_wait(native_artifacts, direct):
     assert st["syncs"] == 0 and st["first_use_checks"] == 0 and st["copies"] == 0, st
 
 
+def test_batch_rotating_cache_past_its_window_is_never_copied_behind_a_guard(native_artifacts):
+    """BatchGenerator on gemma3 (window 8) with a 12-token prompt: the first decode trims the merged
+    buffer to the window, and the kernel then writes a buffer of its own in place (mlx-lm's batch
+    _trim keeps a view, which the launcher could only write through a copy), with stock's tokens."""
+    from registry import native
+    model = fresh_model("gemma3")
+    want = batch_run(model, PROMPTS)
+    native.reset_stats()
+    got = batch_run(model, PROMPTS, caches=[make_prompt_cache(model) for _ in PROMPTS])
+    st = native.stats()
+    assert st["launches"] > 0 and st["copies"] == 0, st
+    assert_same_up_to_noise(model, PROMPTS, got, want)
+
+
 def test_quantized_kv_after_fused_prefill_and_slot_engine_still_work(native_artifacts):
     """generate_step(kv_bits=...) turns the fused KVCache into mlx-lm's QuantizedKVCache (its own
     to_quantized) and continues as stock mlx-lm; the slot engine runs on a model with switches."""

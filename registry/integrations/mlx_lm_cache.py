@@ -559,8 +559,23 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
         # so the stored buffer stays the kernel's output and the next call writes it in place).
         return q, k, mx.depends(keys, (self.left_padding, self.__dict__["_fused_off"])), values
 
+    def _trim(self, trim_size, v, append=None):
+        """mlx-lm's, but never a view: its batch _trim slices the buffer when nothing is appended (the
+        first decode past a prefill longer than the window), and a view is no pool the kernel can
+        write in place (the launcher would copy it on every such call, with a warning). One
+        concatenate makes the same rows a buffer of their own, as RotatingKVCache._trim does."""
+        v = super()._trim(trim_size, v, append)
+        return _compact(v) if trim_size > 0 and append is None else v
+
     def extract(self, idx):
         return _rebind(super().extract(idx), [self])
+
+
+def _compact(v: mx.array) -> mx.array:
+    """v [B, H, S, D] as a fresh row-contiguous buffer: a concatenate of two parts always writes a
+    new one (mx.contiguous keeps a view that is already contiguous, with its offset)."""
+    half = v.shape[2] // 2
+    return mx.concatenate([v[..., :half, :], v[..., half:, :]], axis=2)
 
 
 _FUSED = {c.__name__: c for c in (KVCache, RotatingKVCache, BatchKVCache, BatchRotatingKVCache)}
