@@ -11,6 +11,7 @@ that carries the fix.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -203,6 +204,21 @@ def device_indices(backend: str, *arrays) -> tuple[mx.array, ...]:
         at += p.size
         out.append(mx.contiguous(view) if p.ndim == 1 else view.reshape(p.shape))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def device_arange(start: int, n: int, step: int, backend: str) -> mx.array:
+    """int32 [n]: start, start + step, ..., made on the device by one Arange, for per-step indices
+    that are a progression (a decode token's position and slot; a batch's slots b * S + row): no host
+    data, so on CUDA nothing in managed memory (see device_indices) and no copy of it per step. The
+    range runs two steps past n so that MLX allocates more than 8 bytes, which it keeps in device
+    memory; the [:n] view of it is an mx.contiguous, as device_indices' are. Memoised: every layer of
+    a step asks for the same (an evaluated hit is a constant; cache_clear() drops them)."""
+    step = step if n > 1 else 1
+    stop = start + (n + 2) * step
+    if (n > 1 and step == 0) or not -2**31 <= min(start, stop) <= max(start, stop) < 2**31:   # the padded range: int32
+        return device_indices(backend, start + step * np.arange(n, dtype=np.int64))[0]
+    return mx.contiguous(mx.arange(start, stop, step, dtype=mx.int32)[:n])
 
 
 def _device_arch(ext) -> str:

@@ -433,6 +433,8 @@ def test_batch_decode_slots_are_made_on_the_device(native_artifacts):
     step (ncu: ~200 us at batch 32, e2e-root-cause.md section 13). Rows of the merged buffers land
     where the stock cache puts them."""
     from benchmarks.graph_count import count
+    from registry.native import device_arange
+    device_arange.cache_clear()                       # a memo hit evaluated earlier is a constant: no graph
     model = fresh_model("llama")
     caches = [make_prompt_cache(model) for _ in PROMPTS]
     for c, p in zip(caches, PROMPTS):
@@ -468,6 +470,41 @@ def test_batch_decode_slots_are_made_on_the_device(native_artifacts):
         assert f._idx == st._idx and f.keys.shape == st.keys.shape
         for a, b in ((f.keys, st.keys), (f.values, st.values)):
             assert mx.allclose(a[..., :f._idx, :], b[..., :f._idx, :], atol=1e-4).item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_single_request_decode_indices_are_made_on_the_device(native_artifacts, arch, monkeypatch):
+    """generate_step's decode with the drop-in KVCache (position = row: one array for both) and
+    RotatingKVCache (past its window: the ring row): each layer's position and slot are Aranges on
+    the device, one per value for all layers, holding the row the cache wrote (no host data, so
+    nothing on CUDA that a kernel reads from managed memory)."""
+    from benchmarks.graph_count import count
+    from registry.native import device_arange
+    model = fresh_model(arch)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))        # 10 tokens: past gemma3's window of 8
+    seen = []
+    original = mc._Fused._write
+
+    def spy(self, q, k, values, positions, slots, weights=None):
+        seen.append((self, positions, slots))
+        return original(self, q, k, values, positions, slots, weights)
+
+    monkeypatch.setattr(mc._Fused, "_write", spy)
+    for step in range(2):
+        device_arange.cache_clear()                     # a hit evaluated by the last step has no graph
+        seen.clear()
+        model(mx.array([[5]]), cache=cache)
+        arrays = [a for _, p, s in seen for a in (p, s)]
+        nodes = count(arrays)
+        distinct = {id(a) for a in arrays}
+        assert nodes["Arange"] == len(distinct) and set(nodes) <= {"Arange", "Slice", "Contiguous"}, nodes
+        assert len(seen) == len(cache)
+        for c, pos, slot in seen:
+            row = c._idx - 1 if isinstance(c, stock.RotatingKVCache) else c.offset - 1
+            assert (pos.tolist(), slot.tolist()) == ([c.offset - 1], [row]), type(c).__name__
+            assert (pos is slot) == (type(c).__name__ == "KVCache"), type(c).__name__
+        assert len(distinct) == (1 if arch == "llama" else 2)   # gemma3: the position and the ring row
 
 
 def test_decode_writes_the_buffer_in_place(native_artifacts):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import sys
 from collections import Counter
@@ -57,8 +58,7 @@ from . import direct_attention
 from ._capture import (DataflowError, RopeCall, RopeCapture, rebind, resolve, resolve_with_module_rope,
                        split_calls)
 from .. import envs
-from ..kernels._base import INT32_MAX
-from ..native import device_indices
+from ..native import device_arange, device_indices
 from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, import_mlx_lm_module,
                      kv_cache_path, rope_attr)
 
@@ -184,22 +184,24 @@ class Fusion:
 
 # ----------------------------------------------------------------------------- positions and slots
 
-_INDEX_MEMO: dict[tuple, tuple[mx.array, mx.array]] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def _int_index(start: int, L: int, B: int, S: int, pos: int, backend: str) -> tuple[mx.array, mx.array]:
     """(positions, slots) int32 [B*L] for rows start..start+L-1 of each batch row of a [B, H, S, D]
     buffer (slot = b*S + row), token positions pos..pos+L-1, for the kernels of `backend` (in device
     memory on CUDA: registry.native.device_indices). Memoised: every layer of a step asks for the same."""
-    key = (start, L, B, S, pos, backend)
-    hit = _INDEX_MEMO.get(key)
-    if hit is None:
-        if len(_INDEX_MEMO) > 64:
-            _INDEX_MEMO.clear()
-        ls = np.tile(np.arange(L, dtype=np.int64), B)
-        bs = np.repeat(np.arange(B, dtype=np.int64), L)
-        hit = _INDEX_MEMO[key] = device_indices(backend, pos + ls, bs * S + start + ls)
-    return hit
+    ls = np.tile(np.arange(L, dtype=np.int64), B)
+    bs = np.repeat(np.arange(B, dtype=np.int64), L)
+    return device_indices(backend, pos + ls, bs * S + start + ls)
+
+
+def _decode_index(pos: int, row: int, B: int, S: int, backend: str) -> tuple[mx.array, mx.array]:
+    """(positions, slots) of a single-request cache's decode token: position pos, row `row` of each
+    batch row (slot b*S + row). One request: both made on the device (registry.native.device_arange),
+    one array for both when they are equal (KVCache: row = pos); a batch of equal rows: _int_index."""
+    if B > 1:
+        return _int_index(row, 1, B, S, pos, backend)
+    slots = device_arange(row, 1, 1, backend)
+    return (slots if pos == row else device_arange(pos, 1, 1, backend)), slots
 
 
 _DUMMY_POOLS: dict[tuple, tuple[mx.array, mx.array]] = {}
@@ -428,7 +430,9 @@ class KVCache(_Fused, _stock.KVCache):
         prev, (B, _, L, _) = self.__dict__["_fused_off"], k.shape
         self._room(prev, k, v)
         S = self.keys.shape[2]
-        q, k = self._write(q, k, v, *_int_index(prev, L, B, S, prev, self._fusion.backend), weights)
+        index = _decode_index(prev, prev, B, S, self._fusion.backend) if L == 1 else \
+            _int_index(prev, L, B, S, prev, self._fusion.backend)
+        q, k = self._write(q, k, v, *index, weights)
         n = self.__dict__["_fused_off"] = prev + L
         if n < S:
             return q, k, self.keys[:, :, :n], self.values[:, :, :n]     # [..., :n, :] parses slower (4-D buffers)
@@ -457,7 +461,7 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
         self._ring_slot(prev, k, v)
         if self._idx == self.max_size:
             self._idx = self.keep
-        q, k = self._write(q, k, v, *_int_index(self._idx, 1, B, self.keys.shape[2], prev, self._fusion.backend),
+        q, k = self._write(q, k, v, *_decode_index(prev, self._idx, B, self.keys.shape[2], self._fusion.backend),
                            weights)
         self.offset = prev + 1
         self._idx += 1
@@ -468,26 +472,11 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
         return _rebind(BatchRotatingKVCache.merge(caches), caches)
 
 
-_DECODE_SLOTS: dict[tuple, mx.array] = {}
-
-
 def _decode_slots(start: int, B: int, S: int, backend: str) -> mx.array:
-    """int32 [B] slots b * S + start of a batch decode step, made on the device (one Arange, padded
-    past 8 bytes so that MLX allocates device memory, as registry.native.device_indices explains):
-    no host data, so no per-step copy of managed memory that the GPU must fault in (ncu at batch 32:
-    ~200 us per step, docs/benchmarks/e2e-root-cause.md section 13). Memoised: every layer of a step
-    asks for the same."""
-    key = (start, B, S, backend)
-    hit = _DECODE_SLOTS.get(key)
-    if hit is None:
-        if len(_DECODE_SLOTS) > 64:
-            _DECODE_SLOTS.clear()
-        if start + (B + 2) * S > INT32_MAX:                  # the padded range would overflow int32
-            hit = _int_index(start, 1, B, S, 0, backend)[1]
-        else:
-            hit = mx.contiguous(mx.arange(start, start + (B + 2) * S, S, dtype=mx.int32)[:B])
-        _DECODE_SLOTS[key] = hit
-    return hit
+    """int32 [B] slots b * S + start of a batch decode step, one Arange on the device
+    (registry.native.device_arange): no host data, so no per-step copy of managed memory that the
+    GPU must fault in (ncu at batch 32: ~200 us per step, docs/benchmarks/e2e-root-cause.md section 13)."""
+    return device_arange(start, B, S, backend)
 
 
 def _batch_index(offset: mx.array, start: int, L: int, S: int, backend: str) -> tuple[mx.array, mx.array]:

@@ -43,7 +43,7 @@ from .. import envs
 from ..errors import MlxAotError
 from ..kernels.rope_pool_fused import rope_pool_fused_reference
 from ..core import backend_of, qk_norm_attrs
-from ..native import device_indices
+from ..native import device_arange, device_indices
 from . import direct_attention
 from ._capture import DataflowError, NormBypass, RopeCapture, resolve
 from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, kv_cache_path,
@@ -540,8 +540,9 @@ class SlotEngine:
         qpos = np.asarray(offsets, np.int32)[:, None] + self._arange[:L][None]
         if B == 1:                                     # one request: no padding, masks from its offset
             r = reqs[0]
-            if r.run:
-                positions, slots = device_indices(self._backend, qpos.reshape(-1), new_slots)
+            if r.run:                                  # both progressions: made on the device, no host data
+                positions = device_arange(offsets[0], L, 1, self._backend)
+                slots = device_arange(new_slots[0], L, 1, self._backend)
                 self.step_ctx = Step(B, L, offsets, ctx_len, positions, slots, (r.slots[0], ctx_len), None)
             else:
                 positions, slots, table = device_indices(self._backend, qpos.reshape(-1), new_slots,
