@@ -197,7 +197,10 @@ class PoolCache:
         ctx = self.engine.step_ctx
         if ctx.span is not None:
             first, n = ctx.span
-            pool[first + ctx.offsets[0]:first + n] = x.swapaxes(1, 2)     # [1, L, H, D]: the leading 1 dropped
+            # [1, L, H, D] rows, the leading 1 dropped; one decode token's [1, H, 1, D] is already in
+            # that order: one reshape, where the transpose and the squeeze are two nodes (host time)
+            rows = x.reshape(1, x.shape[1], x.shape[3]) if ctx.length == 1 else x.swapaxes(1, 2)
+            pool[first + ctx.offsets[0]:first + n] = rows
         else:
             pool[ctx.slots] = self._tokens(x)
         return pool
