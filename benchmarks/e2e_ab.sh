@@ -5,8 +5,9 @@
 # OLD_TREE: the other commit exported (git archive OLD | tar x -C OLD_TREE) with this tree's built
 # registry/_ext*.so and registry/_artifacts copied in, which holds only where the kernels' sources
 # are the same (artifacts are verified against them when loaded). Each "BENCH ARGS" is a string of
-# `python -m build_tools bench --e2e` options; run n writes OUT_DIR/n-{new,old}-{set}.json, and its
-# table and target lines go to stdout.
+# `python -m build_tools bench --e2e` options; run n writes OUT_DIR/n-{new,old}-{set}.json and its
+# whole output to .log beside it; its table and target lines go to stdout. A bench that fails stops
+# the A/B with its own error.
 set -euo pipefail
 [ $# -ge 5 ] || { echo "usage: $0 OLD_TREE OUT_DIR NEW_COMMIT OLD_COMMIT \"BENCH ARGS\" [...]" >&2; exit 2; }
 old=$1 out=$2 new_commit=$3 old_commit=$4
@@ -25,6 +26,12 @@ for step in "${order[@]}"; do
   dir=.; commit=$new_commit
   [ "$tree" = old ] && { dir=$old; commit=$old_commit; }
   echo "== $n $tree set $i ($commit) $(date -u +%T)"
-  (cd "$dir" && python3 -m build_tools bench --e2e ${sets[$i]} --commit "$commit" \
-     --json "$out/$n-$tree-$i.json" 2>&1) | grep -E "^(llama|qwen3|gemma3|tiny)|^(NOT )?MET" || true
+  log="$out/$n-$tree-$i.log"
+  if ! (cd "$dir" && python3 -m build_tools bench --e2e ${sets[$i]} --commit "$commit" \
+        --json "$out/$n-$tree-$i.json") >"$log" 2>&1; then
+    tail -5 "$log" >&2
+    echo "$0: run $n ($tree tree, \"${sets[$i]}\") failed; its output is in $log" >&2
+    exit 1
+  fi
+  grep -E "^(llama|qwen3|gemma3|tiny)|^(NOT )?MET" "$log" || true
 done
