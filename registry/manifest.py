@@ -51,6 +51,7 @@ MAX_TEXT = 4096                # description
 MAX_PATH = 1024                # one source or include path
 MAX_LIST = 64                  # sources, include_dirs, flags, archs, buffers, scalars
 MAX_FLAG = 256                 # one compiler flag
+MAX_INT_CHARS = 64             # an integer in the YAML (Python refuses to convert over 4300 digits)
 HOOK_PACKAGE = "registry"      # wrapper/check modules live here (or in MLX_AOT_HOOK_MODULES)
 _PUBLIC_IDENT = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -202,8 +203,30 @@ class _Loader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_object(self, node, deep=False):
+        """PyYAML's constructors raise plain ValueError/KeyError/... for a value its explicit tag cannot
+        hold (`!!int x`, `!!timestamp 2001-13-99`, `!!map` on a scalar) and for an integer of more than
+        4300 digits: a YAML error at the node instead."""
+        if node.tag == "tag:yaml.org,2002:int" and isinstance(node.value, str) and len(node.value) > MAX_INT_CHARS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value)} characters; the limit is {MAX_INT_CHARS}",
+                node.start_mark)
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            if isinstance(e, yaml.YAMLError):
+                raise
+            what = _short(node.value) if isinstance(node, yaml.ScalarNode) else f"this {node.id}"
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {what} as {tag} ({e.__class__.__name__}: {e})",
+                node.start_mark) from None
+
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False):
+    if not isinstance(node, yaml.MappingNode):   # `!!map` on a scalar or a list
+        raise yaml.constructor.ConstructorError(
+            None, None, f"!!map on a {node.id}: expected a mapping", node.start_mark)
     loader.flatten_mapping(node)
     result = _LineDict()
     result.line = node.start_mark.line + 1
@@ -700,6 +723,11 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
         data = yaml.load(text, Loader=_Loader)  # SafeLoader subclass: no Python object tags
     except RecursionError:   # a flow collection the composer's depth check has not reached yet
         raise ManifestError([f"{path.name}: not valid YAML: nesting deeper than {MAX_YAML_DEPTH} levels"]) from None
+    except yaml.reader.ReaderError as e:   # a control character: no mark, a position in the text
+        line = text.count("\n", 0, e.position) + 1
+        char = f"#x{e.character:04x}" if isinstance(e.character, int) else repr(e.character)
+        raise ManifestError([f"{path.name}:{line}: not valid YAML: unacceptable character {char}: "
+                             f"{e.reason}"]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""

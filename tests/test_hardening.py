@@ -101,6 +101,17 @@ MANIFEST_CASES = {
     "19 dunder kernel_attr": (_kernel(kernel_attr="__class__"), "kernel_attr: '__class__' is not a public identifier"),
     "19 private kernel_attr": (_kernel(kernel_attr="_by_attr"), "kernel_attr: '_by_attr' is not a public identifier"),
     "24 200 kB name": (_kernel(name="k" * 200_000), "is longer than 64 characters"),
+    "yaml integer of 5000 digits": ("schema_version: " + "9" * 5000 + "\nkernels: []\n",
+                                    "kernels.yaml:1: not valid YAML: an integer of 5000 characters; the limit is 64"),
+    "yaml !!int on a word": ("schema_version: 1\nkernels: []\nx: !!int x\n", "kernels.yaml:3: not valid YAML: "
+                             "cannot read 'x' as !!int (ValueError: invalid literal"),
+    "yaml !!timestamp out of range": ("schema_version: !!timestamp 2001-13-99\nkernels: []\n",
+                                      "kernels.yaml:1: not valid YAML: cannot read '2001-13-99' as !!timestamp"),
+    "yaml !!bool on a word": ("schema_version: !!bool x\nkernels: []\n", "kernels.yaml:1: not valid YAML: cannot read"),
+    "yaml !!map on a scalar": ("schema_version: 1\nkernels: []\nx: !!map y\n",
+                               "kernels.yaml:3: not valid YAML: !!map on a scalar: expected a mapping"),
+    "control character": ("schema_version: 1\nkernels: []\n# \x1b[2J\n",
+                          "kernels.yaml:3: not valid YAML: unacceptable character #x001b"),
     "25 5 MB manifest": ("schema_version: 1\nkernels: []\n" + "# padding\n" * 500_000, "the limit is 262144"),
 }
 
