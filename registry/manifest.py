@@ -399,9 +399,9 @@ class _Checker:
         return tuple(out)
 
 
-def _target(c: _Checker, d: Any, target: str) -> TargetSpec | None:
+def _target(c: _Checker, d: Any, target: str, parent: dict) -> TargetSpec | None:
     if not isinstance(d, dict):
-        c.err(d, None, f"{target}: expected a mapping, got {_type_name(d)} {_short(d)}")
+        c.err(parent, target, f"{target}: expected a mapping, got {_type_name(d)} {_short(d)}")
         return None
     common = {"sources", "include_dirs", "flags"}
     extra = {"metal": {"std", "macos_min"}, "cuda": {"archs", "ptx_arch"}, "cpu": set()}[target]
@@ -433,7 +433,7 @@ def _target(c: _Checker, d: Any, target: str) -> TargetSpec | None:
         for i, a in enumerate(archs or []):
             if not isinstance(a, str) or not _CUDA_ARCH.match(a):
                 c.err(d, "archs", f"cuda.archs[{i}]: {_short(a)} is not an arch like sm_90")
-        if archs and len(set(archs)) != len(archs):
+        if archs and all(isinstance(a, str) for a in archs) and len(set(archs)) != len(archs):
             c.err(d, "archs", "cuda.archs: duplicate entries")
         kw["archs"] = tuple(archs or ())
         kw["ptx_arch"] = c.ident(d, "ptx_arch", _PTX_ARCH, "a PTX arch like compute_80", "cuda.ptx_arch")
@@ -468,9 +468,9 @@ def flag_problem(flag: Any, target: str) -> str | None:
     return None
 
 
-def _signature(c: _Checker, d: Any) -> SignatureSpec | None:
+def _signature(c: _Checker, d: Any, parent: dict) -> SignatureSpec | None:
     if not isinstance(d, dict):
-        c.err(d, None, f"signature: expected a mapping, got {_type_name(d)} {_short(d)}")
+        c.err(parent, "signature", f"signature: expected a mapping, got {_type_name(d)} {_short(d)}")
         return None
     c.keys(d, {"buffers", "scalars"}, {"buffers"}, "signature")
     buffers: list[BufferSpec] = []
@@ -591,7 +591,7 @@ def _kernel(problems: _Problems, root: Path, d: Any, index: int, line: int) -> K
 
     requires = c.requirements(d, "requires")
     prefer = c.requirements(d, "prefer")
-    signature = _signature(c, d["signature"]) if "signature" in d else None
+    signature = _signature(c, d["signature"], d) if "signature" in d else None
 
     entries: dict[str, str] = {}
     ent = d.get("entries")
@@ -622,7 +622,7 @@ def _kernel(problems: _Problems, root: Path, d: Any, index: int, line: int) -> K
     targets_ok = True
     for t in TARGETS:
         if t in d:
-            spec = _target(c, d[t], t)
+            spec = _target(c, d[t], t, d)
             if spec is not None:
                 targets[t] = spec
             else:

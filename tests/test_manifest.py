@@ -122,11 +122,16 @@ def test_good_toy_manifest(tmp_path):
     (lambda d: d.update(schema_version=2), "schema_version: 2 is not supported"),
     (lambda d: d.update(kernels={"a": 1}), "kernels: expected a list"),
     (lambda d: d.update(extra=1), "unknown key 'extra'"),
+    (lambda d: d["kernels"][0]["cuda"].update(archs=[["sm_90"], {"a": 1}]),
+     "cuda.archs[0]: a list of 1 item is not an arch like sm_90"),
+    (lambda d: d["kernels"][0].update(signature=None), "kernels.yaml:14: kernel 'toy': signature: expected a mapping"),
+    (lambda d: d["kernels"][0].update(cpu="src/toy.cpp"), "kernels.yaml:45: kernel 'toy': cpu: expected a mapping"),
 ])
 def test_bad_manifests_name_the_field(tmp_path, mutate, expected):
     text = problems(tmp_path, mutate)
     assert expected in text
     assert text.startswith("kernels.yaml:")
+    assert not re.search(r"^kernels\.yaml:0:", text, re.M)   # every problem names its line
 
 
 def test_errors_carry_line_numbers_and_all_problems(tmp_path):
