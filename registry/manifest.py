@@ -33,14 +33,14 @@ BUFFER_ROLES = ("input", "output", "inplace")
 DTYPE_GROUPS = ("pool",)           # signature.buffers[].dtype_group
 SCALAR_TYPES = ("int32", "float32")
 
-_IDENT = re.compile(r"^[a-z_][a-z0-9_]*$")
-_ENV = re.compile(r"^[A-Z][A-Z0-9_]*$")
-_C_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_OBJREF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
-_CUDA_ARCH = re.compile(r"^sm_[0-9]{2,3}[af]?$")
-_PTX_ARCH = re.compile(r"^compute_[0-9]{2,3}[af]?$")
-_METAL_STD = re.compile(r"^metal[0-9]\.[0-9]$")
-_MACOS = re.compile(r"^[0-9]{2}(\.[0-9]+){0,2}$")
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]*\Z")
+_ENV = re.compile(r"^[A-Z][A-Z0-9_]*\Z")
+_C_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+_OBJREF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*\Z")
+_CUDA_ARCH = re.compile(r"^sm_[0-9]{2,3}[af]?\Z")
+_PTX_ARCH = re.compile(r"^compute_[0-9]{2,3}[af]?\Z")
+_METAL_STD = re.compile(r"^metal[0-9]\.[0-9]\Z")
+_MACOS = re.compile(r"^[0-9]{2}(\.[0-9]+){0,2}\Z")
 
 # Limits (docs/manifest.md, "Limits").
 MAX_MANIFEST_BYTES = 256 * 1024
@@ -53,20 +53,20 @@ MAX_LIST = 64                  # sources, include_dirs, flags, archs, buffers, s
 MAX_FLAG = 256                 # one compiler flag
 MAX_INT_CHARS = 64             # an integer in the YAML (Python refuses to convert over 4300 digits)
 HOOK_PACKAGE = "registry"      # wrapper/check modules live here (or in MLX_AOT_HOOK_MODULES)
-_PUBLIC_IDENT = re.compile(r"^[a-z][a-z0-9_]*$")
+_PUBLIC_IDENT = re.compile(r"^[a-z][a-z0-9_]*\Z")
 
 # Compiler flags: the forms below and nothing else (docs/manifest.md lists them). No flag may name
 # a file, another program or a linker/assembler pass-through: include paths go in include_dirs.
 _FLAG_VALUE = r"[A-Za-z0-9_.+\-]*"           # no '/', '=', ',', quotes, spaces or shell syntax
 _FLAG_FORMS = (
-    re.compile(rf"^-D[A-Za-z_][A-Za-z0-9_]*(={_FLAG_VALUE})?$"),
-    re.compile(r"^-U[A-Za-z_][A-Za-z0-9_]*$"),
-    re.compile(r"^-O([0-3]|s|z|fast)?$"),
-    re.compile(rf"^-f[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?$"),
-    re.compile(rf"^-W[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?$"),   # -Wall, -Werror=..., never -Wl,/-Wa,/-Wp,
-    re.compile(rf"^-m[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?$"),   # -march=native, -mavx2
-    re.compile(r"^-std=[a-z0-9+]+$"),
-    re.compile(r"^-g[0-3]?$"),
+    re.compile(rf"^-D[A-Za-z_][A-Za-z0-9_]*(={_FLAG_VALUE})?\Z"),
+    re.compile(r"^-U[A-Za-z_][A-Za-z0-9_]*\Z"),
+    re.compile(r"^-O([0-3]|s|z|fast)?\Z"),
+    re.compile(rf"^-f[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?\Z"),
+    re.compile(rf"^-W[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?\Z"),   # -Wall, -Werror=..., never -Wl,/-Wa,/-Wp,
+    re.compile(rf"^-m[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?\Z"),   # -march=native, -mavx2
+    re.compile(r"^-std=[a-z0-9+]+\Z"),
+    re.compile(r"^-g[0-3]?\Z"),
 )
 # -f/-m/-W names that read or write files, load plugins or run other programs.
 _FLAG_DENY = re.compile(r"^-(fplugin|fprofile|fdump|fuse-ld|fld-path|f[a-z-]*prefix-map|fsanitize-[a-z]*list|"
@@ -453,7 +453,7 @@ def flag_problem(flag: Any, target: str) -> str | None:
         return (f"{_short(flag)}: include paths and forced includes are not flags; list directories "
                 f"inside the project in include_dirs")
     if target == "cuda":
-        m = re.match(r"^--?([a-z_\-]+)(?:=(.*))?$", flag)
+        m = re.match(r"^--?([a-z_\-]+)(?:=(.*))?\Z", flag)
         if m and m.group(1).replace("-", "_") in _NVCC_SWITCHES:
             want = _NVCC_SWITCHES[m.group(1).replace("-", "_")]
             if (want is None) == (m.group(2) is None) and (want is None or re.fullmatch(want, m.group(2))):

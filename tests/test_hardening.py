@@ -154,9 +154,13 @@ def test_nvcc_switches(flag):
 
 @pytest.mark.parametrize("flag", ["-DX=$(rm)", "-DX=a b", "-D1X", "-o/tmp/x", "-specs=x", "@args.txt", "-MF/tmp/d",
                                   "-save-temps", "-lfoo", "-L/tmp", "-fprofile-generate", "-x", "-Wa,-x", "-Wp,-x",
-                                  "-iquoteinc", "-isystem/usr"])
+                                  "-iquoteinc", "-isystem/usr", "-O2\n", "-DX=1\n"])
 def test_refused_flags(flag):
     assert flag_problem(flag, "cpu") is not None
+
+
+def test_nvcc_switch_with_a_trailing_newline_is_refused():
+    assert flag_problem("--maxrregcount=64\n", "cuda") is not None
 
 
 def test_allowed_flags_reach_the_command(tmp_path):
@@ -265,6 +269,7 @@ INDEX_CASES = {
     "13 entries str": (dict(entries="abc"), "artifacts[0].entries: expected a mapping"),
     "13 size str": (dict(size="12"), "artifacts[0].size: expected a non-negative integer"),
     "13 kernel path": (dict(kernel="../victim"), "artifacts[0].kernel: expected a kernel name"),
+    "kernel name with a newline": (dict(kernel="toy\n"), "artifacts[0].kernel: expected a kernel name"),
     "13 cpu with arch": (dict(arch="sm_90"), "only cuda artifacts have an arch"),
     "size mismatch": (dict(size=1), "the index says 1 (corrupt or half-written)"),
 }

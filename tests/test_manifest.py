@@ -122,6 +122,12 @@ def test_good_toy_manifest(tmp_path):
     (lambda d: d.update(schema_version=2), "schema_version: 2 is not supported"),
     (lambda d: d.update(kernels={"a": 1}), "kernels: expected a list"),
     (lambda d: d.update(extra=1), "unknown key 'extra'"),
+    # `$` also matches before a trailing newline: "toy\n" is no identifier
+    (lambda d: d["kernels"][0].update(name="toy\n"), "name: 'toy\\n' is not an identifier"),
+    (lambda d: d["kernels"][0].update(kernel_attr="toy\n"), "kernel_attr: 'toy\\n' is not a public identifier"),
+    (lambda d: d["kernels"][0]["enable"].update(env="MLX_AOT_TOY\n"), "enable.env: 'MLX_AOT_TOY\\n' is not"),
+    (lambda d: d["kernels"][0].update(entries={"float32": "toy_f32\n"}), "entries.float32: 'toy_f32\\n' is not a C"),
+    (lambda d: d["kernels"][0]["cuda"].update(archs=["sm_90\n"]), "cuda.archs[0]: 'sm_90\\n' is not an arch"),
     (lambda d: d["kernels"][0]["cuda"].update(archs=[["sm_90"], {"a": 1}]),
      "cuda.archs[0]: a list of 1 item is not an arch like sm_90"),
     (lambda d: d["kernels"][0].update(signature=None), "kernels.yaml:14: kernel 'toy': signature: expected a mapping"),
