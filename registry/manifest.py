@@ -348,13 +348,16 @@ class _Checker:
             resolved = (self.root / value).resolve()
             inside = resolved.is_relative_to(self.root.resolve())
             exists = resolved.is_dir() if want_dir else resolved.is_file()
+            other = not exists and resolved.exists()   # a directory as a source, a file as a dir, a FIFO
         except (OSError, RuntimeError, ValueError) as e:   # a name too long, a symlink loop
             self.err(d, key, f"{field_name}: {_short(value)} cannot be resolved ({e.__class__.__name__}: {e})")
             return None
         if not inside:
             self.err(d, key, f"{field_name}: {_short(value)} escapes the project root {self.root}")
             return None
-        if want_dir and not exists:
+        if other:
+            self.err(d, key, f"{field_name}: {value} is not a {'directory' if want_dir else 'regular file'}")
+        elif want_dir and not exists:
             self.err(d, key, f"{field_name}: directory {value} does not exist")
         elif not want_dir and not exists:
             self.err(d, key, f"{field_name}: {value} does not exist")
