@@ -338,6 +338,44 @@ def test_missing_entry_symbol_is_refused_at_lookup(toy):
     assert found.path is None and "entry symbol(s) toy_f32 of kernels.yaml are not in it" in found.reason
 
 
+def _forged_elf(n_syms: int, name_len: int, n_tables: int, distinct_names: bool) -> bytes:
+    """A 64-bit ELF whose `n_tables` .dynsym sections all cover the same `n_syms` symbols, named
+    into one `name_len`-byte string without a NUL (each at its own offset when `distinct_names`)."""
+    import struct
+    syms = b"".join(struct.pack("<IBBHQQ", 1 + (i if distinct_names else 0), 0x12, 0, 1, 0, 0) for i in range(n_syms))
+    strtab = b"\0" + b"A" * name_len + b"\0"
+    header = bytearray(64)
+    header[0:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<Q", header, 0x28, 64 + len(syms) + len(strtab))
+    struct.pack_into("<HH", header, 0x3A, 64, n_tables + 1)
+    sections = struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, 64 + len(syms), len(strtab), 0, 0, 0, 0)
+    sections += struct.pack("<IIQQQQIIQQ", 0, 11, 0, 0, 64, len(syms), 0, 0, 0, 24) * n_tables
+    return bytes(header) + syms + strtab + sections
+
+
+@pytest.mark.parametrize("tables, distinct, expected", [
+    (10, False, "symbol tables larger than the file"),     # was ~200 MB and 0.4 s per 25 kB of file
+    (1, True, "symbol names longer than the file"),        # was ~20 MB per 20 kB: quadratic
+])
+def test_forged_elf_costs_no_more_than_its_size(toy, tables, distinct, expected):
+    """An artifact whose index entry matches it (sha256, size) but whose symbol tables overlap: the
+    entry check refuses it in time and memory linear in its size."""
+    import hashlib
+    data = _forged_elf(1000, 20_000, tables, distinct)
+    so_path(toy).write_bytes(data)
+    set_index(toy, sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    found = artifacts.lookup(spec_of(toy), "cpu")
+    assert found.path is None and f"malformed ELF file ({expected})" in found.reason
+
+
+def test_ptx_entry_scan_is_linear():
+    import time
+    from registry.symbols import ptx_entries
+    start = time.monotonic()
+    assert ptx_entries(b"\n" * 30_000 + b"x\n.visible .entry toy_f32(\n") == {"toy_f32"}   # was ~20 s
+    assert time.monotonic() - start < 2
+
+
 def _launcher(root: Path):
     from registry.native import load_launcher
     launcher, why = load_launcher(spec_of(root), "cpu")
