@@ -68,8 +68,10 @@ _FLAG_FORMS = (
     re.compile(r"^-std=[a-z0-9+]+\Z"),
     re.compile(r"^-g[0-3]?\Z"),
 )
-# -f/-m/-W names that read or write files, load plugins or run other programs.
+# -f/-m/-W names that read or write files, load plugins or run other programs; ASan, whose runtime
+# must be the process's first library (an artifact built with it ends the process that loads it).
 _FLAG_DENY = re.compile(r"^-(fplugin|fprofile|fdump|fuse-ld|fld-path|f[a-z-]*prefix-map|fsanitize-[a-z]*list|"
+                        r"fsanitize=[a-z-]*address|"
                         r"fsave-optimization-record|fopt-record|fcrash-diagnostics|fmodule|fprebuilt-module|"
                         r"fembed|fdebug-compilation-dir|fcoverage-data|fxray|fcs-profile|fauto-profile|"
                         r"mlinker|mabi=|specs)")

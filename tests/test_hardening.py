@@ -90,6 +90,7 @@ MANIFEST_CASES = {
     "4 -Wl,": (_target("cpu", flags=["-Wl,-rpath,/tmp"]), "'-Wl,-rpath,/tmp' is not an allowed"),
     "4 -fplugin": (_target("cpu", flags=["-fplugin=evil.so"]), "'-fplugin=evil.so' is not an allowed"),
     "4 -fuse-ld": (_target("cpu", flags=["-fuse-ld=evil"]), "'-fuse-ld=evil' is not an allowed"),
+    "-fsanitize=address": (_target("cpu", flags=["-fsanitize=address"]), "'-fsanitize=address' is not an allowed"),
     "4 -Xcompiler": (_target("cuda", flags=["-Xcompiler"]), "'-Xcompiler' is not an allowed"),
     "17 -I/etc": (_target("cpu", flags=["-I/etc"]), "cpu.flags[0]: '-I/etc': include paths and forced includes"),
     "17 -include": (_target("cpu", flags=["-include", "/abs/outside.h"]), "'-include': include paths"),
