@@ -12,6 +12,7 @@ registry package (or MLX_AOT_HOOK_MODULES), checked without importing them.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import os
 import re
@@ -678,6 +679,24 @@ def hook_module_allowed(module: str) -> bool:
         module in envs.get_list("MLX_AOT_HOOK_MODULES"))
 
 
+@functools.lru_cache(maxsize=64)
+def _top_level_names(origin: str, mtime_ns: int, size: int) -> frozenset[str]:
+    """The names a module's source defines at top level, parsed once per file version (a manifest
+    of thousands of kernels naming hooks would otherwise parse the module thousands of times)."""
+    with open(origin, "rb") as f:
+        tree = ast.parse(f.read(4 * 1024 * 1024))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return frozenset(names)
+
+
 def hook_problem(ref: str) -> str | None:
     """None if `module:attr` names an allowed module whose source defines `attr` at top level, else
     why not. Only `find_spec` runs (it imports the parent packages, which are the registry's own or
@@ -698,20 +717,10 @@ def hook_problem(ref: str) -> str | None:
     if not origin.endswith(".py"):
         return f"{ref}: module {module} is not a Python source file ({origin or 'no file'})"
     try:
-        with open(origin, "rb") as f:
-            source = f.read(4 * 1024 * 1024)
-        tree = ast.parse(source)
+        st = os.stat(origin)
+        names = _top_level_names(origin, st.st_mtime_ns, st.st_size)
     except (OSError, SyntaxError, ValueError) as e:
         return f"{ref}: cannot read {origin} ({e})"
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
-                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
     if attr not in names:
         return f"{ref}: {origin} defines no top-level {attr!r}"
     return None

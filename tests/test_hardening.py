@@ -187,6 +187,20 @@ def test_hook_that_is_not_callable(tmp_path):
         reg.build_kernel_set(sample_attn=None, n_kv_heads=2, head_dim=32)
 
 
+def test_many_kernels_parse_each_hook_module_once(tmp_path, monkeypatch):
+    """A 256 kB manifest of ~2900 kernels naming hooks took 64 s: every hook re-parsed its module."""
+    import ast
+    from registry import manifest as manifest_module
+    parses = []
+    real_parse = ast.parse
+    monkeypatch.setattr(manifest_module.ast, "parse", lambda *a, **kw: parses.append(1) or real_parse(*a, **kw))
+    kernel = '- {wrapper: "registry.manifest:load_manifest", check: "registry.core:build_kernel_set"}\n'
+    path = write(tmp_path, text="schema_version: 1\nkernels:\n" + kernel * 200)
+    with pytest.raises(ManifestError, match="kernels.yaml:3: kernels\\[0\\]: missing required key"):
+        load_manifest(path)
+    assert len(parses) <= 2
+
+
 def test_hooks_outside_the_allow_list_are_never_imported(tmp_path):
     # `this` prints the Zen of Python when imported: the message must come without it.
     data = copy.deepcopy(GOOD)
