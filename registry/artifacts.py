@@ -44,13 +44,13 @@ INDEX_NAME = "index.json"
 INDEX_SCHEMA = 3
 MAX_INDEX_BYTES = 16 * 1024 * 1024
 MAX_ARTIFACT_BYTES = 512 * 1024 * 1024
-_KERNEL_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_KERNEL_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}\Z")
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 KEY_SCHEMA_VERSION = 2
 # `#include "x"` and `#include <x>`; angle includes count only when they resolve inside the
 # kernel's include_dirs (anything else belongs to the toolchain, whose identity is in the key).
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^">\n]+)[">]', re.M)
-_CUDA_ARCH = re.compile(r"^(sm|compute)_([0-9]{2,3})([af]?)$")
+_CUDA_ARCH = re.compile(r"^(sm|compute)_([0-9]{2,3})([af]?)\Z")
 # The pseudo-input naming the kernel's manifest entry in `inputs` (a real path never starts with "<").
 MANIFEST_INPUT = "<kernels.yaml entry>"
 

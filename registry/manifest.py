@@ -12,6 +12,7 @@ registry package (or MLX_AOT_HOOK_MODULES), checked without importing them.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import os
 import re
@@ -33,14 +34,14 @@ BUFFER_ROLES = ("input", "output", "inplace")
 DTYPE_GROUPS = ("pool",)           # signature.buffers[].dtype_group
 SCALAR_TYPES = ("int32", "float32")
 
-_IDENT = re.compile(r"^[a-z_][a-z0-9_]*$")
-_ENV = re.compile(r"^[A-Z][A-Z0-9_]*$")
-_C_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_OBJREF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
-_CUDA_ARCH = re.compile(r"^sm_[0-9]{2,3}[af]?$")
-_PTX_ARCH = re.compile(r"^compute_[0-9]{2,3}[af]?$")
-_METAL_STD = re.compile(r"^metal[0-9]\.[0-9]$")
-_MACOS = re.compile(r"^[0-9]{2}(\.[0-9]+){0,2}$")
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]*\Z")
+_ENV = re.compile(r"^[A-Z][A-Z0-9_]*\Z")
+_C_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+_OBJREF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*\Z")
+_CUDA_ARCH = re.compile(r"^sm_[0-9]{2,3}[af]?\Z")
+_PTX_ARCH = re.compile(r"^compute_[0-9]{2,3}[af]?\Z")
+_METAL_STD = re.compile(r"^metal[0-9]\.[0-9]\Z")
+_MACOS = re.compile(r"^[0-9]{2}(\.[0-9]+){0,2}\Z")
 
 # Limits (docs/manifest.md, "Limits").
 MAX_MANIFEST_BYTES = 256 * 1024
@@ -51,24 +52,27 @@ MAX_TEXT = 4096                # description
 MAX_PATH = 1024                # one source or include path
 MAX_LIST = 64                  # sources, include_dirs, flags, archs, buffers, scalars
 MAX_FLAG = 256                 # one compiler flag
+MAX_INT_CHARS = 64             # an integer in the YAML (Python refuses to convert over 4300 digits)
 HOOK_PACKAGE = "registry"      # wrapper/check modules live here (or in MLX_AOT_HOOK_MODULES)
-_PUBLIC_IDENT = re.compile(r"^[a-z][a-z0-9_]*$")
+_PUBLIC_IDENT = re.compile(r"^[a-z][a-z0-9_]*\Z")
 
 # Compiler flags: the forms below and nothing else (docs/manifest.md lists them). No flag may name
 # a file, another program or a linker/assembler pass-through: include paths go in include_dirs.
 _FLAG_VALUE = r"[A-Za-z0-9_.+\-]*"           # no '/', '=', ',', quotes, spaces or shell syntax
 _FLAG_FORMS = (
-    re.compile(rf"^-D[A-Za-z_][A-Za-z0-9_]*(={_FLAG_VALUE})?$"),
-    re.compile(r"^-U[A-Za-z_][A-Za-z0-9_]*$"),
-    re.compile(r"^-O([0-3]|s|z|fast)?$"),
-    re.compile(rf"^-f[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?$"),
-    re.compile(rf"^-W[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?$"),   # -Wall, -Werror=..., never -Wl,/-Wa,/-Wp,
-    re.compile(rf"^-m[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?$"),   # -march=native, -mavx2
-    re.compile(r"^-std=[a-z0-9+]+$"),
-    re.compile(r"^-g[0-3]?$"),
+    re.compile(rf"^-D[A-Za-z_][A-Za-z0-9_]*(={_FLAG_VALUE})?\Z"),
+    re.compile(r"^-U[A-Za-z_][A-Za-z0-9_]*\Z"),
+    re.compile(r"^-O([0-3]|s|z|fast)?\Z"),
+    re.compile(rf"^-f[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?\Z"),
+    re.compile(rf"^-W[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?\Z"),   # -Wall, -Werror=..., never -Wl,/-Wa,/-Wp,
+    re.compile(rf"^-m[a-z][a-z0-9\-+]*(={_FLAG_VALUE})?\Z"),   # -march=native, -mavx2
+    re.compile(r"^-std=[a-z0-9+]+\Z"),
+    re.compile(r"^-g[0-3]?\Z"),
 )
-# -f/-m/-W names that read or write files, load plugins or run other programs.
+# -f/-m/-W names that read or write files, load plugins or run other programs; ASan, whose runtime
+# must be the process's first library (an artifact built with it ends the process that loads it).
 _FLAG_DENY = re.compile(r"^-(fplugin|fprofile|fdump|fuse-ld|fld-path|f[a-z-]*prefix-map|fsanitize-[a-z]*list|"
+                        r"fsanitize=[a-z-]*address|"
                         r"fsave-optimization-record|fopt-record|fcrash-diagnostics|fmodule|fprebuilt-module|"
                         r"fembed|fdebug-compilation-dir|fcoverage-data|fxray|fcs-profile|fauto-profile|"
                         r"mlinker|mabi=|specs)")
@@ -202,8 +206,30 @@ class _Loader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_object(self, node, deep=False):
+        """PyYAML's constructors raise plain ValueError/KeyError/... for a value its explicit tag cannot
+        hold (`!!int x`, `!!timestamp 2001-13-99`, `!!map` on a scalar) and for an integer of more than
+        4300 digits: a YAML error at the node instead."""
+        if node.tag == "tag:yaml.org,2002:int" and isinstance(node.value, str) and len(node.value) > MAX_INT_CHARS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value)} characters; the limit is {MAX_INT_CHARS}",
+                node.start_mark)
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            if isinstance(e, yaml.YAMLError):
+                raise
+            what = _short(node.value) if isinstance(node, yaml.ScalarNode) else f"this {node.id}"
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {what} as {tag} ({e.__class__.__name__}: {e})",
+                node.start_mark) from None
+
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False):
+    if not isinstance(node, yaml.MappingNode):   # `!!map` on a scalar or a list
+        raise yaml.constructor.ConstructorError(
+            None, None, f"!!map on a {node.id}: expected a mapping", node.start_mark)
     loader.flatten_mapping(node)
     result = _LineDict()
     result.line = node.start_mark.line + 1
@@ -325,13 +351,16 @@ class _Checker:
             resolved = (self.root / value).resolve()
             inside = resolved.is_relative_to(self.root.resolve())
             exists = resolved.is_dir() if want_dir else resolved.is_file()
+            other = not exists and resolved.exists()   # a directory as a source, a file as a dir, a FIFO
         except (OSError, RuntimeError, ValueError) as e:   # a name too long, a symlink loop
             self.err(d, key, f"{field_name}: {_short(value)} cannot be resolved ({e.__class__.__name__}: {e})")
             return None
         if not inside:
             self.err(d, key, f"{field_name}: {_short(value)} escapes the project root {self.root}")
             return None
-        if want_dir and not exists:
+        if other:
+            self.err(d, key, f"{field_name}: {value} is not a {'directory' if want_dir else 'regular file'}")
+        elif want_dir and not exists:
             self.err(d, key, f"{field_name}: directory {value} does not exist")
         elif not want_dir and not exists:
             self.err(d, key, f"{field_name}: {value} does not exist")
@@ -376,9 +405,9 @@ class _Checker:
         return tuple(out)
 
 
-def _target(c: _Checker, d: Any, target: str) -> TargetSpec | None:
+def _target(c: _Checker, d: Any, target: str, parent: dict) -> TargetSpec | None:
     if not isinstance(d, dict):
-        c.err(d, None, f"{target}: expected a mapping, got {_type_name(d)} {_short(d)}")
+        c.err(parent, target, f"{target}: expected a mapping, got {_type_name(d)} {_short(d)}")
         return None
     common = {"sources", "include_dirs", "flags"}
     extra = {"metal": {"std", "macos_min"}, "cuda": {"archs", "ptx_arch"}, "cpu": set()}[target]
@@ -410,7 +439,7 @@ def _target(c: _Checker, d: Any, target: str) -> TargetSpec | None:
         for i, a in enumerate(archs or []):
             if not isinstance(a, str) or not _CUDA_ARCH.match(a):
                 c.err(d, "archs", f"cuda.archs[{i}]: {_short(a)} is not an arch like sm_90")
-        if archs and len(set(archs)) != len(archs):
+        if archs and all(isinstance(a, str) for a in archs) and len(set(archs)) != len(archs):
             c.err(d, "archs", "cuda.archs: duplicate entries")
         kw["archs"] = tuple(archs or ())
         kw["ptx_arch"] = c.ident(d, "ptx_arch", _PTX_ARCH, "a PTX arch like compute_80", "cuda.ptx_arch")
@@ -430,7 +459,7 @@ def flag_problem(flag: Any, target: str) -> str | None:
         return (f"{_short(flag)}: include paths and forced includes are not flags; list directories "
                 f"inside the project in include_dirs")
     if target == "cuda":
-        m = re.match(r"^--?([a-z_\-]+)(?:=(.*))?$", flag)
+        m = re.match(r"^--?([a-z_\-]+)(?:=(.*))?\Z", flag)
         if m and m.group(1).replace("-", "_") in _NVCC_SWITCHES:
             want = _NVCC_SWITCHES[m.group(1).replace("-", "_")]
             if (want is None) == (m.group(2) is None) and (want is None or re.fullmatch(want, m.group(2))):
@@ -445,9 +474,9 @@ def flag_problem(flag: Any, target: str) -> str | None:
     return None
 
 
-def _signature(c: _Checker, d: Any) -> SignatureSpec | None:
+def _signature(c: _Checker, d: Any, parent: dict) -> SignatureSpec | None:
     if not isinstance(d, dict):
-        c.err(d, None, f"signature: expected a mapping, got {_type_name(d)} {_short(d)}")
+        c.err(parent, "signature", f"signature: expected a mapping, got {_type_name(d)} {_short(d)}")
         return None
     c.keys(d, {"buffers", "scalars"}, {"buffers"}, "signature")
     buffers: list[BufferSpec] = []
@@ -568,7 +597,7 @@ def _kernel(problems: _Problems, root: Path, d: Any, index: int, line: int) -> K
 
     requires = c.requirements(d, "requires")
     prefer = c.requirements(d, "prefer")
-    signature = _signature(c, d["signature"]) if "signature" in d else None
+    signature = _signature(c, d["signature"], d) if "signature" in d else None
 
     entries: dict[str, str] = {}
     ent = d.get("entries")
@@ -599,7 +628,7 @@ def _kernel(problems: _Problems, root: Path, d: Any, index: int, line: int) -> K
     targets_ok = True
     for t in TARGETS:
         if t in d:
-            spec = _target(c, d[t], t)
+            spec = _target(c, d[t], t, d)
             if spec is not None:
                 targets[t] = spec
             else:
@@ -650,6 +679,24 @@ def hook_module_allowed(module: str) -> bool:
         module in envs.get_list("MLX_AOT_HOOK_MODULES"))
 
 
+@functools.lru_cache(maxsize=64)
+def _top_level_names(origin: str, mtime_ns: int, size: int) -> frozenset[str]:
+    """The names a module's source defines at top level, parsed once per file version (a manifest
+    of thousands of kernels naming hooks would otherwise parse the module thousands of times)."""
+    with open(origin, "rb") as f:
+        tree = ast.parse(f.read(4 * 1024 * 1024))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return frozenset(names)
+
+
 def hook_problem(ref: str) -> str | None:
     """None if `module:attr` names an allowed module whose source defines `attr` at top level, else
     why not. Only `find_spec` runs (it imports the parent packages, which are the registry's own or
@@ -670,20 +717,10 @@ def hook_problem(ref: str) -> str | None:
     if not origin.endswith(".py"):
         return f"{ref}: module {module} is not a Python source file ({origin or 'no file'})"
     try:
-        with open(origin, "rb") as f:
-            source = f.read(4 * 1024 * 1024)
-        tree = ast.parse(source)
+        st = os.stat(origin)
+        names = _top_level_names(origin, st.st_mtime_ns, st.st_size)
     except (OSError, SyntaxError, ValueError) as e:
         return f"{ref}: cannot read {origin} ({e})"
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
-                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
     if attr not in names:
         return f"{ref}: {origin} defines no top-level {attr!r}"
     return None
@@ -700,6 +737,11 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
         data = yaml.load(text, Loader=_Loader)  # SafeLoader subclass: no Python object tags
     except RecursionError:   # a flow collection the composer's depth check has not reached yet
         raise ManifestError([f"{path.name}: not valid YAML: nesting deeper than {MAX_YAML_DEPTH} levels"]) from None
+    except yaml.reader.ReaderError as e:   # a control character: no mark, a position in the text
+        line = text.count("\n", 0, e.position) + 1
+        char = f"#x{e.character:04x}" if isinstance(e.character, int) else repr(e.character)
+        raise ManifestError([f"{path.name}:{line}: not valid YAML: unacceptable character {char}: "
+                             f"{e.reason}"]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""

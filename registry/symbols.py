@@ -19,6 +19,7 @@ _SHT_SYMTAB, _SHT_DYNSYM = 2, 11
 _STB_GLOBAL, _STB_WEAK = 1, 2
 _STT_FUNC, _STT_GNU_IFUNC = 2, 10
 _ELFOSABI_CUDA = 0x41
+_SYM_SIZE = 24                     # sizeof(Elf64_Sym)
 
 
 @dataclass(frozen=True)
@@ -51,25 +52,44 @@ def _elf(src: Source) -> tuple[bytes, str]:
 
 
 def elf_symbols(src: Source) -> list[ElfSymbol]:
-    """Every named symbol of .symtab and .dynsym. Malformed files raise ValueError naming the file."""
+    """Every named symbol of .symtab and .dynsym. Malformed files raise ValueError naming the file.
+    The work is bounded by the file's size: tables of Elf64_Sym entries inside the file, together no
+    larger than it, and names inside their string table, read once per offset and together no longer
+    than the file (overlapping tables or names of a forged file would otherwise cost time and memory
+    quadratic in its size)."""
     data, path = _elf(src)
     try:
         shoff, = struct.unpack_from("<Q", data, 0x28)
         shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
         sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
         out: list[ElfSymbol] = []
+        table_bytes = name_bytes = 0
+        names: dict[tuple[int, int], str] = {}
         for _, sh_type, _, _, off, size, link, _, _, entsize in sections:
             if sh_type not in (_SHT_SYMTAB, _SHT_DYNSYM) or not entsize:
                 continue
+            if entsize != _SYM_SIZE:
+                raise ValueError(f"symbol table entries of {entsize} bytes, not {_SYM_SIZE}")
             if off + size > len(data) or link >= len(sections):
                 raise ValueError("symbol table outside the file")
             str_off, str_size = sections[link][4], sections[link][5]
+            if str_off + str_size > len(data):
+                raise ValueError("string table outside the file")
+            table_bytes += size
+            if table_bytes > len(data):
+                raise ValueError("symbol tables larger than the file")
             for i in range(size // entsize):
                 st_name, st_info, _, st_shndx = struct.unpack_from("<IBBH", data, off + i * entsize)
                 if not st_name or st_name >= str_size:
                     continue
-                end = data.index(b"\0", str_off + st_name)
-                out.append(ElfSymbol(data[str_off + st_name:end].decode(errors="replace"),
+                name = names.get((str_off, st_name))
+                if name is None:
+                    end = data.index(b"\0", str_off + st_name, str_off + str_size)
+                    name_bytes += end - str_off - st_name
+                    if name_bytes > len(data):
+                        raise ValueError("symbol names longer than the file")
+                    name = names[(str_off, st_name)] = data[str_off + st_name:end].decode(errors="replace")
+                out.append(ElfSymbol(name,
                                      "symtab" if sh_type == _SHT_SYMTAB else "dynsym",
                                      st_info >> 4, st_info & 0xF, st_shndx != 0))
         return out
@@ -94,7 +114,8 @@ def cubin_sm(src: Source) -> int | None:
 
 
 def ptx_entries(src: Source) -> set[str]:
-    return set(re.findall(r"^\s*(?:\.visible\s+)?\.entry\s+([A-Za-z_$][\w$]*)",
+    # [^\S\n]: blanks of the line only (`^\s*` rescans every following blank line: quadratic time)
+    return set(re.findall(r"^[^\S\n]*(?:\.visible\s+)?\.entry\s+([A-Za-z_$][\w$]*)",
                           _bytes(src)[0].decode(errors="replace"), flags=re.M))
 
 

@@ -90,6 +90,7 @@ MANIFEST_CASES = {
     "4 -Wl,": (_target("cpu", flags=["-Wl,-rpath,/tmp"]), "'-Wl,-rpath,/tmp' is not an allowed"),
     "4 -fplugin": (_target("cpu", flags=["-fplugin=evil.so"]), "'-fplugin=evil.so' is not an allowed"),
     "4 -fuse-ld": (_target("cpu", flags=["-fuse-ld=evil"]), "'-fuse-ld=evil' is not an allowed"),
+    "-fsanitize=address": (_target("cpu", flags=["-fsanitize=address"]), "'-fsanitize=address' is not an allowed"),
     "4 -Xcompiler": (_target("cuda", flags=["-Xcompiler"]), "'-Xcompiler' is not an allowed"),
     "17 -I/etc": (_target("cpu", flags=["-I/etc"]), "cpu.flags[0]: '-I/etc': include paths and forced includes"),
     "17 -include": (_target("cpu", flags=["-include", "/abs/outside.h"]), "'-include': include paths"),
@@ -101,6 +102,17 @@ MANIFEST_CASES = {
     "19 dunder kernel_attr": (_kernel(kernel_attr="__class__"), "kernel_attr: '__class__' is not a public identifier"),
     "19 private kernel_attr": (_kernel(kernel_attr="_by_attr"), "kernel_attr: '_by_attr' is not a public identifier"),
     "24 200 kB name": (_kernel(name="k" * 200_000), "is longer than 64 characters"),
+    "yaml integer of 5000 digits": ("schema_version: " + "9" * 5000 + "\nkernels: []\n",
+                                    "kernels.yaml:1: not valid YAML: an integer of 5000 characters; the limit is 64"),
+    "yaml !!int on a word": ("schema_version: 1\nkernels: []\nx: !!int x\n", "kernels.yaml:3: not valid YAML: "
+                             "cannot read 'x' as !!int (ValueError: invalid literal"),
+    "yaml !!timestamp out of range": ("schema_version: !!timestamp 2001-13-99\nkernels: []\n",
+                                      "kernels.yaml:1: not valid YAML: cannot read '2001-13-99' as !!timestamp"),
+    "yaml !!bool on a word": ("schema_version: !!bool x\nkernels: []\n", "kernels.yaml:1: not valid YAML: cannot read"),
+    "yaml !!map on a scalar": ("schema_version: 1\nkernels: []\nx: !!map y\n",
+                               "kernels.yaml:3: not valid YAML: !!map on a scalar: expected a mapping"),
+    "control character": ("schema_version: 1\nkernels: []\n# \x1b[2J\n",
+                          "kernels.yaml:3: not valid YAML: unacceptable character #x001b"),
     "25 5 MB manifest": ("schema_version: 1\nkernels: []\n" + "# padding\n" * 500_000, "the limit is 262144"),
 }
 
@@ -143,9 +155,13 @@ def test_nvcc_switches(flag):
 
 @pytest.mark.parametrize("flag", ["-DX=$(rm)", "-DX=a b", "-D1X", "-o/tmp/x", "-specs=x", "@args.txt", "-MF/tmp/d",
                                   "-save-temps", "-lfoo", "-L/tmp", "-fprofile-generate", "-x", "-Wa,-x", "-Wp,-x",
-                                  "-iquoteinc", "-isystem/usr"])
+                                  "-iquoteinc", "-isystem/usr", "-O2\n", "-DX=1\n"])
 def test_refused_flags(flag):
     assert flag_problem(flag, "cpu") is not None
+
+
+def test_nvcc_switch_with_a_trailing_newline_is_refused():
+    assert flag_problem("--maxrregcount=64\n", "cuda") is not None
 
 
 def test_allowed_flags_reach_the_command(tmp_path):
@@ -169,6 +185,20 @@ def test_hook_that_is_not_callable(tmp_path):
     reg = KernelRegistry.from_yaml(write(tmp_path, data))
     with pytest.raises(ManifestError, match="wrapper: registry.manifest:SCHEMA_VERSION is a int, not a function"):
         reg.build_kernel_set(sample_attn=None, n_kv_heads=2, head_dim=32)
+
+
+def test_many_kernels_parse_each_hook_module_once(tmp_path, monkeypatch):
+    """A 256 kB manifest of ~2900 kernels naming hooks took 64 s: every hook re-parsed its module."""
+    import ast
+    from registry import manifest as manifest_module
+    parses = []
+    real_parse = ast.parse
+    monkeypatch.setattr(manifest_module.ast, "parse", lambda *a, **kw: parses.append(1) or real_parse(*a, **kw))
+    kernel = '- {wrapper: "registry.manifest:load_manifest", check: "registry.core:build_kernel_set"}\n'
+    path = write(tmp_path, text="schema_version: 1\nkernels:\n" + kernel * 200)
+    with pytest.raises(ManifestError, match="kernels.yaml:3: kernels\\[0\\]: missing required key"):
+        load_manifest(path)
+    assert len(parses) <= 2
 
 
 def test_hooks_outside_the_allow_list_are_never_imported(tmp_path):
@@ -254,6 +284,7 @@ INDEX_CASES = {
     "13 entries str": (dict(entries="abc"), "artifacts[0].entries: expected a mapping"),
     "13 size str": (dict(size="12"), "artifacts[0].size: expected a non-negative integer"),
     "13 kernel path": (dict(kernel="../victim"), "artifacts[0].kernel: expected a kernel name"),
+    "kernel name with a newline": (dict(kernel="toy\n"), "artifacts[0].kernel: expected a kernel name"),
     "13 cpu with arch": (dict(arch="sm_90"), "only cuda artifacts have an arch"),
     "size mismatch": (dict(size=1), "the index says 1 (corrupt or half-written)"),
 }
@@ -320,6 +351,44 @@ def test_missing_entry_symbol_is_refused_at_lookup(toy):
     set_index(toy, sha256=hashlib.sha256(data).hexdigest(), size=len(data))
     found = artifacts.lookup(spec_of(toy), "cpu")
     assert found.path is None and "entry symbol(s) toy_f32 of kernels.yaml are not in it" in found.reason
+
+
+def _forged_elf(n_syms: int, name_len: int, n_tables: int, distinct_names: bool) -> bytes:
+    """A 64-bit ELF whose `n_tables` .dynsym sections all cover the same `n_syms` symbols, named
+    into one `name_len`-byte string without a NUL (each at its own offset when `distinct_names`)."""
+    import struct
+    syms = b"".join(struct.pack("<IBBHQQ", 1 + (i if distinct_names else 0), 0x12, 0, 1, 0, 0) for i in range(n_syms))
+    strtab = b"\0" + b"A" * name_len + b"\0"
+    header = bytearray(64)
+    header[0:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<Q", header, 0x28, 64 + len(syms) + len(strtab))
+    struct.pack_into("<HH", header, 0x3A, 64, n_tables + 1)
+    sections = struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, 64 + len(syms), len(strtab), 0, 0, 0, 0)
+    sections += struct.pack("<IIQQQQIIQQ", 0, 11, 0, 0, 64, len(syms), 0, 0, 0, 24) * n_tables
+    return bytes(header) + syms + strtab + sections
+
+
+@pytest.mark.parametrize("tables, distinct, expected", [
+    (10, False, "symbol tables larger than the file"),     # was ~200 MB and 0.4 s per 25 kB of file
+    (1, True, "symbol names longer than the file"),        # was ~20 MB per 20 kB: quadratic
+])
+def test_forged_elf_costs_no_more_than_its_size(toy, tables, distinct, expected):
+    """An artifact whose index entry matches it (sha256, size) but whose symbol tables overlap: the
+    entry check refuses it in time and memory linear in its size."""
+    import hashlib
+    data = _forged_elf(1000, 20_000, tables, distinct)
+    so_path(toy).write_bytes(data)
+    set_index(toy, sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    found = artifacts.lookup(spec_of(toy), "cpu")
+    assert found.path is None and f"malformed ELF file ({expected})" in found.reason
+
+
+def test_ptx_entry_scan_is_linear():
+    import time
+    from registry.symbols import ptx_entries
+    start = time.monotonic()
+    assert ptx_entries(b"\n" * 30_000 + b"x\n.visible .entry toy_f32(\n") == {"toy_f32"}   # was ~20 s
+    assert time.monotonic() - start < 2
 
 
 def _launcher(root: Path):

@@ -88,6 +88,9 @@ def test_good_toy_manifest(tmp_path):
     (lambda d: d["kernels"][0]["cpu"].update(sources=["../outside.cpp"]),
      "cpu.sources[0]: '../outside.cpp' escapes the project root"),
     (lambda d: d["kernels"][0]["cuda"].update(include_dirs=["nope"]), "cuda.include_dirs[0]: directory nope does not exist"),
+    (lambda d: d["kernels"][0]["cpu"].update(sources=["src"]), "cpu.sources[0]: src is not a regular file"),
+    (lambda d: d["kernels"][0]["cuda"].update(include_dirs=["src/toy.cu"]),
+     "cuda.include_dirs[0]: src/toy.cu is not a directory"),
     (lambda d: d["kernels"][0]["cuda"].update(archs=["sm90"]), "cuda.archs[0]: 'sm90' is not an arch like sm_90"),
     (lambda d: d["kernels"][0]["cuda"].update(sources=[]), "cuda.sources: expected a non-empty list"),
     (lambda d: d["kernels"][0]["metal"].update(std="metal99"), "metal.std: 'metal99' is not a Metal language standard"),
@@ -122,11 +125,22 @@ def test_good_toy_manifest(tmp_path):
     (lambda d: d.update(schema_version=2), "schema_version: 2 is not supported"),
     (lambda d: d.update(kernels={"a": 1}), "kernels: expected a list"),
     (lambda d: d.update(extra=1), "unknown key 'extra'"),
+    # `$` also matches before a trailing newline: "toy\n" is no identifier
+    (lambda d: d["kernels"][0].update(name="toy\n"), "name: 'toy\\n' is not an identifier"),
+    (lambda d: d["kernels"][0].update(kernel_attr="toy\n"), "kernel_attr: 'toy\\n' is not a public identifier"),
+    (lambda d: d["kernels"][0]["enable"].update(env="MLX_AOT_TOY\n"), "enable.env: 'MLX_AOT_TOY\\n' is not"),
+    (lambda d: d["kernels"][0].update(entries={"float32": "toy_f32\n"}), "entries.float32: 'toy_f32\\n' is not a C"),
+    (lambda d: d["kernels"][0]["cuda"].update(archs=["sm_90\n"]), "cuda.archs[0]: 'sm_90\\n' is not an arch"),
+    (lambda d: d["kernels"][0]["cuda"].update(archs=[["sm_90"], {"a": 1}]),
+     "cuda.archs[0]: a list of 1 item is not an arch like sm_90"),
+    (lambda d: d["kernels"][0].update(signature=None), "kernels.yaml:14: kernel 'toy': signature: expected a mapping"),
+    (lambda d: d["kernels"][0].update(cpu="src/toy.cpp"), "kernels.yaml:45: kernel 'toy': cpu: expected a mapping"),
 ])
 def test_bad_manifests_name_the_field(tmp_path, mutate, expected):
     text = problems(tmp_path, mutate)
     assert expected in text
     assert text.startswith("kernels.yaml:")
+    assert not re.search(r"^kernels\.yaml:0:", text, re.M)   # every problem names its line
 
 
 def test_errors_carry_line_numbers_and_all_problems(tmp_path):
