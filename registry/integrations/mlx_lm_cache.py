@@ -472,21 +472,16 @@ class RotatingKVCache(_Fused, _stock.RotatingKVCache):
         return _rebind(BatchRotatingKVCache.merge(caches), caches)
 
 
-def _decode_slots(start: int, B: int, S: int, backend: str) -> mx.array:
-    """int32 [B] slots b * S + start of a batch decode step, one Arange on the device
-    (registry.native.device_arange): no host data, so no per-step copy of managed memory that the
-    GPU must fault in (ncu at batch 32: ~200 us per step, docs/benchmarks/e2e-root-cause.md section 13)."""
-    return device_arange(start, B, S, backend)
-
-
 def _batch_index(offset: mx.array, start: int, L: int, S: int, backend: str) -> tuple[mx.array, mx.array]:
     """(positions, slots) int32 [B*L] for a batch cache: token l of row b at position offset[b] + l,
     written to row start + l of batch row b (slot b*S + start + l). Lazy: no host sync. The slots
     are a constant every layer of a step shares (memoised); a decode step's positions are the
-    offsets themselves, and its slots one Arange on the device (_decode_slots)."""
+    offsets themselves, and its slots b * S + start one Arange on the device (device_arange): no host
+    data, so no per-step copy of managed memory that the GPU must fault in (ncu at batch 32: ~200 us
+    per step, docs/benchmarks/e2e-root-cause.md section 13)."""
     B = offset.shape[0]
     if L == 1:
-        return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), _decode_slots(start, B, S, backend)
+        return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), device_arange(start, B, S, backend)
     _, slots = _int_index(start, L, B, S, 0, backend)
     positions = (offset.astype(mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]).reshape(-1)
     return positions, slots

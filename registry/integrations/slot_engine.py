@@ -540,7 +540,7 @@ class SlotEngine:
             r.slots.extend(mine)
         lens = [len(r.slots) for r in reqs]
         ctx_len = max(lens)
-        qpos = np.asarray(offsets, np.int32)[:, None] + self._arange[:L][None]
+        qpos = None if B == 1 and reqs[0].run else np.asarray(offsets, np.int32)[:, None] + self._arange[:L][None]
         if B == 1:                                     # one request: no padding, masks from its offset
             r = reqs[0]
             if r.run:                                  # both progressions: made on the device, no host data

@@ -1,0 +1,149 @@
+"""What one graph node costs the host, by kind: N independent nodes of one kind (distinct inputs and
+pools per node, like the layers of one step) are built, then evaluated; build and eval (to the
+stream's end) are timed apart, per node, median of --steps. Kinds: the fused qk_norm call
+(`aot_qk_norm`), the fused rope call (`aot_rope`), and MLX's own `rms_norm`, `rope`, `scatter` (a
+pool row store, as mlx_lm's slot caches write) and `add`. With the number of inputs and outputs of
+each kind beside it, this tells the launcher's per-node cost from MLX's own. On a GPU host the eval
+column also holds the CUDA graph's build, update and launch, and the GPU's time (tiny at decode
+sizes). docs/benchmarks/e2e-root-cause.md, section 15.
+
+    python -m benchmarks.node_cost [--nodes 32] [--tokens 8] [--steps 40] [--kinds aot_qk_norm,rms_norm]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .cases import SHAPES, layer_count
+
+KINDS = ("aot_qk_norm", "aot_rope", "rms_norm", "rope", "scatter", "add")
+
+
+def _kind_list(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",")]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(KINDS)}")
+    return kinds
+
+
+def _token_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 4096:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer from 1 to 4096")
+    return n
+
+
+def _builders(n: int, T: int):
+    from registry.core import backend_of
+    from registry.kernels.qk_norm_rope_pool_fused import QkNormRopePoolFusedKernel
+    from registry.kernels.rope_pool_fused import RopePoolFusedKernel
+    from registry.manifest import load_manifest
+    from registry.native import device_indices
+
+    from .cases import rope_for
+    from .micro import NORM
+
+    shape = SHAPES["llama-8b"]
+    H, Hkv, D, S = shape.n_q_heads, shape.n_kv_heads, shape.head_dim, 4 * T + 64
+    rope = rope_for(shape, "base")
+    backend = backend_of(None)
+    manifest = load_manifest()
+    qk = QkNormRopePoolFusedKernel.build(manifest.kernel("qk_norm_rope_pool_fused"),
+                                         QkNormRopePoolFusedKernel.context_for((rope, NORM), backend))
+    rp = RopePoolFusedKernel.build(manifest.kernel("rope_pool_fused"), RopePoolFusedKernel.context_for(rope, backend))
+    positions, slots = device_indices(backend, 3000 + np.arange(T), np.arange(T) * 3)
+    mk = lambda *s: mx.random.normal(s).astype(mx.bfloat16)
+    L = [dict(q=mk(T, H, D), k=mk(T, Hkv, D), v=mk(T, Hkv, D), w=1 + 0.1 * mk(D),
+              kp=mx.zeros((S, Hkv, D), mx.bfloat16), vp=mx.zeros((S, Hkv, D), mx.bfloat16)) for _ in range(n)]
+    mx.eval(positions, slots, *[a for d in L for a in d.values()])
+    qk_launch, rp_launch = qk.last_bound(), rp.last_bound()
+
+    def aot_qk_norm():
+        out = []
+        for d in L:
+            q, k, d["kp"], d["vp"] = qk_launch(d["q"], d["k"], d["v"], positions, slots, d["kp"], d["vp"], d["w"], d["w"])
+            out += [q, k, d["kp"], d["vp"]]
+        return out
+
+    def aot_rope():
+        out = []
+        for d in L:
+            q, k, d["kp"], d["vp"] = rp_launch(d["q"], d["k"], d["v"], positions, slots, d["kp"], d["vp"])
+            out += [q, k, d["kp"], d["vp"]]
+        return out
+
+    def rms_norm():
+        return [mx.fast.rms_norm(d["q"], d["w"], 1e-6) for d in L]
+
+    def rope_():
+        return [mx.fast.rope(d["q"][:, :, None], D, traditional=False, base=rope.base, scale=1.0,
+                             offset=positions)for d in L]
+
+    def scatter():
+        out = []
+        for d in L:
+            d["kp"][slots] = d["k"]       # `d` holds the pool's only handle: MLX scatters in place
+            out.append(d["kp"])
+        return out
+
+    def add():
+        return [d["q"] + d["q"] for d in L]
+
+    impl = dict(aot_qk_norm=qk.implementation, aot_rope=rp.implementation)
+    return dict(aot_qk_norm=aot_qk_norm, aot_rope=aot_rope, rms_norm=rms_norm, rope=rope_, scatter=scatter,
+                add=add), impl
+
+
+def run(kinds, n: int, T: int, steps: int) -> list[tuple[str, float, float]]:
+    builders, impl = _builders(n, T)
+    rows = []
+    gc.disable()
+    try:
+        for kind in kinds:
+            build = builders[kind]
+            for _ in range(3):
+                mx.eval(build())
+            mx.synchronize()
+            b, e = [], []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                outs = build()
+                t1 = time.perf_counter()
+                mx.eval(outs)
+                mx.synchronize()
+                t2 = time.perf_counter()
+                del outs
+                b.append(t1 - t0)
+                e.append(t2 - t1)
+            rows.append((f"{kind} ({impl[kind]})" if kind in impl else kind,
+                         statistics.median(b) / n * 1e6, statistics.median(e) / n * 1e6))
+    finally:
+        gc.enable()
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.node_cost")
+    p.add_argument("--nodes", type=layer_count, default=32, help="independent nodes per step, 1-256 (default 32)")
+    p.add_argument("--tokens", type=_token_count, default=8, help="tokens per node, 1-4096 (default 8)")
+    p.add_argument("--steps", type=layer_count, default=40, help="timed steps per kind, 1-256 (default 40)")
+    p.add_argument("--kinds", type=_kind_list, default=list(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    a = p.parse_args(argv)
+    print(f"# {mx.default_device()}, mlx {mx.__version__}; {a.nodes} independent nodes per step, T={a.tokens}, "
+          f"llama-8b heads; us per node, median of {a.steps} steps")
+    print(f"{'kind':<32} {'build us':>9} {'eval us':>9} {'total':>9}")
+    for name, b, e in run(a.kinds, a.nodes, a.tokens, a.steps):
+        print(f"{name:<32} {b:9.2f} {e:9.2f} {b + e:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
