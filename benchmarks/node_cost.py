@@ -1,7 +1,7 @@
 """What one graph node costs the host, by kind: N independent nodes of one kind (distinct inputs and
 pools per node, like the layers of one step) are built, then evaluated; build and eval (to the
 stream's end) are timed apart, per node, median of --steps. Kinds: the fused qk_norm call
-(`aot_qk_norm`), the fused rope call (`aot_rope`), and MLX's own `rms_norm`, `rope`, `scatter` (a
+(`aot_qk_norm`), the fused rope call (`aot_rope`), the fused K/V store (`aot_kv_store`), and MLX's own `rms_norm`, `rope`, `scatter` (a
 pool row store, as mlx_lm's slot caches write) and `add`. With the number of inputs and outputs of
 each kind beside it, this tells the launcher's per-node cost from MLX's own. On a GPU host the eval
 column also holds the CUDA graph's build, update and launch, and the GPU's time (tiny at decode
@@ -21,7 +21,10 @@ import numpy as np
 
 from .cases import SHAPES, layer_count
 
-KINDS = ("aot_qk_norm", "aot_rope", "rms_norm", "rope", "scatter", "add")
+KINDS = ("aot_qk_norm", "aot_rope", "aot_kv_store", "rms_norm", "rope", "scatter", "add")
+# (inputs, outputs) of each kind's node: MLX's host cost per node grows with them
+EDGES = dict(aot_qk_norm=(10, 4), aot_rope=(8, 4), aot_kv_store=(5, 2), rms_norm=(2, 1), rope=(2, 1), scatter=(3, 1),
+             add=(2, 1))
 
 
 def _kind_list(text: str) -> list[str]:
@@ -44,6 +47,7 @@ def _token_count(text: str) -> int:
 
 def _builders(n: int, T: int):
     from registry.core import backend_of
+    from registry.kernels.kv_pool_store import KvPoolStoreKernel
     from registry.kernels.qk_norm_rope_pool_fused import QkNormRopePoolFusedKernel
     from registry.kernels.rope_pool_fused import RopePoolFusedKernel
     from registry.manifest import load_manifest
@@ -60,12 +64,13 @@ def _builders(n: int, T: int):
     qk = QkNormRopePoolFusedKernel.build(manifest.kernel("qk_norm_rope_pool_fused"),
                                          QkNormRopePoolFusedKernel.context_for((rope, NORM), backend))
     rp = RopePoolFusedKernel.build(manifest.kernel("rope_pool_fused"), RopePoolFusedKernel.context_for(rope, backend))
+    kv = KvPoolStoreKernel.build(manifest.kernel("kv_pool_store"), KvPoolStoreKernel.context_for(None, backend))
     positions, slots = device_indices(backend, 3000 + np.arange(T), np.arange(T) * 3)
     mk = lambda *s: mx.random.normal(s).astype(mx.bfloat16)
     L = [dict(q=mk(T, H, D), k=mk(T, Hkv, D), v=mk(T, Hkv, D), w=1 + 0.1 * mk(D),
               kp=mx.zeros((S, Hkv, D), mx.bfloat16), vp=mx.zeros((S, Hkv, D), mx.bfloat16)) for _ in range(n)]
     mx.eval(positions, slots, *[a for d in L for a in d.values()])
-    qk_launch, rp_launch = qk.last_bound(), rp.last_bound()
+    qk_launch, rp_launch, kv_launch = qk.last_bound(), rp.last_bound(), kv.last_bound()
 
     def aot_qk_norm():
         out = []
@@ -81,12 +86,19 @@ def _builders(n: int, T: int):
             out += [q, k, d["kp"], d["vp"]]
         return out
 
+    def aot_kv_store():
+        out = []
+        for d in L:
+            d["kp"], d["vp"] = kv_launch(d["k"], d["v"], slots, d["kp"], d["vp"])
+            out += [d["kp"], d["vp"]]
+        return out
+
     def rms_norm():
         return [mx.fast.rms_norm(d["q"], d["w"], 1e-6) for d in L]
 
     def rope_():
         return [mx.fast.rope(d["q"][:, :, None], D, traditional=False, base=rope.base, scale=1.0,
-                             offset=positions)for d in L]
+                             offset=positions) for d in L]
 
     def scatter():
         out = []
@@ -98,8 +110,8 @@ def _builders(n: int, T: int):
     def add():
         return [d["q"] + d["q"] for d in L]
 
-    impl = dict(aot_qk_norm=qk.implementation, aot_rope=rp.implementation)
-    return dict(aot_qk_norm=aot_qk_norm, aot_rope=aot_rope, rms_norm=rms_norm, rope=rope_, scatter=scatter,
+    impl = dict(aot_qk_norm=qk.implementation, aot_rope=rp.implementation, aot_kv_store=kv.implementation)
+    return dict(aot_qk_norm=aot_qk_norm, aot_rope=aot_rope, aot_kv_store=aot_kv_store, rms_norm=rms_norm, rope=rope_, scatter=scatter,
                 add=add), impl
 
 
@@ -140,9 +152,9 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     print(f"# {mx.default_device()}, mlx {mx.__version__}; {a.nodes} independent nodes per step, T={a.tokens}, "
           f"llama-8b heads; us per node, median of {a.steps} steps")
-    print(f"{'kind':<32} {'build us':>9} {'eval us':>9} {'total':>9}")
-    for name, b, e in run(a.kinds, a.nodes, a.tokens, a.steps):
-        print(f"{name:<32} {b:9.2f} {e:9.2f} {b + e:9.2f}")
+    print(f"{'kind':<32} {'in/out':>7} {'build us':>9} {'eval us':>9} {'total':>9}")
+    for kind, (name, b, e) in zip(a.kinds, run(a.kinds, a.nodes, a.tokens, a.steps)):
+        print(f"{name:<32} {'%d/%d' % EDGES[kind]:>7} {b:9.2f} {e:9.2f} {b + e:9.2f}")
 
 
 if __name__ == "__main__":

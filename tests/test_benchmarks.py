@@ -416,3 +416,22 @@ def test_graph_count_bad_layers_name_the_flag(layers):
     r = subprocess.run([sys.executable, "-m", "benchmarks.graph_count", "--layers", layers], capture_output=True,
                        text=True, cwd=PROJECT_ROOT, timeout=120)
     assert r.returncode == 2 and "argument --layers" in r.stderr and "from 1 to 256" in r.stderr, r.stderr
+
+
+def test_node_cost_times_every_kind(capsys):
+    """benchmarks.node_cost prints one row per kind, with its node's inputs/outputs and finite times."""
+    from benchmarks import node_cost
+    node_cost.main(["--nodes", "2", "--tokens", "1", "--steps", "1"])
+    rows = [r.split() for r in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == list(node_cost.KINDS)
+    for r in rows:
+        assert r[-4] == "%d/%d" % node_cost.EDGES[r[0]] and all(float(x) > 0 for x in r[-3:]), r
+
+
+@pytest.mark.parametrize("args, message", [(["--kinds", "aot,add"], "expected a comma-separated list of"),
+                                           (["--tokens", "0"], "expected an integer from 1 to 4096"),
+                                           (["--nodes", "x"], "expected an integer from 1 to 256")])
+def test_node_cost_bad_arguments_name_the_flag(args, message):
+    r = subprocess.run([sys.executable, "-m", "benchmarks.node_cost", *args], capture_output=True, text=True,
+                       cwd=PROJECT_ROOT, timeout=120)
+    assert r.returncode == 2 and f"argument {args[0]}" in r.stderr and message in r.stderr, r.stderr
