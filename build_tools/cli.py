@@ -16,7 +16,15 @@ import click
 
 MANIFEST_OPTION = click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path), default=None,
                                help="Manifest to use (default: the checkout's or the packaged kernels.yaml).")
-OUT_OPTION = click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+
+
+def _directory(ctx, param, value: str | None) -> Path | None:
+    if value == "":   # Path("") is ".": an empty --out would silently mean the current directory
+        raise click.BadParameter("an empty path; give a directory, or leave the option out")
+    return None if value is None else Path(value)
+
+
+OUT_OPTION = click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, callback=_directory,
                           help="Artifact directory (default: MLX_AOT_CACHE_DIR, else registry/_artifacts when "
                                "writable, else ~/.cache/mlx-aot-kernels/<version>).")
 

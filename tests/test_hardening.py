@@ -407,6 +407,24 @@ def test_bad_compile_arguments(toy, args, expected):
     assert r.exit_code == 2 and expected in r.output
 
 
+@pytest.mark.parametrize("command", ["compile", "list", "clean"])
+def test_empty_out_is_an_error_not_the_current_directory(toy, monkeypatch, command):
+    monkeypatch.chdir(toy)   # holds index.json-like files nobody asked to touch
+    r = run(command, "--manifest", toy / "kernels.yaml", "--out", "")
+    assert r.exit_code == 2 and "'--out': an empty path" in r.output, r.output
+
+
+def test_relative_out_builds_there(tmp_path, monkeypatch):
+    """The compiler runs in the manifest's directory: a relative --out is taken from the caller's
+    working directory, not silently from there (the build failed with a missing dependency file)."""
+    manifest = toy_project(tmp_path / "proj", cuda=False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    r = run("compile", "--target", "cpu", "--manifest", manifest, "--out", "rel")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "elsewhere" / "rel" / "index.json").is_file() and not (tmp_path / "proj" / "rel").exists()
+
+
 @pytest.mark.parametrize("only", ["", "../victim"])
 def test_bad_list_only(toy, only):
     r = run("list", "--manifest", toy / "kernels.yaml", "--out", toy / "out", "--only", only)
