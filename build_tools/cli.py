@@ -91,7 +91,12 @@ def env_table(write, path, manifest) -> None:
 
     m = _load(manifest)
     path = path or PROJECT_ROOT / "docs" / "env-vars.md"
-    text = path.read_text()
+    if not path.is_file():   # a FIFO or a device would block the read (or never end)
+        _fail(f"--file {path}: not a regular file", 2)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"--file {path}: cannot read it as UTF-8 text ({e})", 2)
     if envs.table_in(text) is None:
         _fail(f"{path}: the generated-table markers are missing ({envs.TABLE_BEGIN} ... {envs.TABLE_END})", 1)
     want = envs.render_table(m.kernels)

@@ -431,6 +431,21 @@ def test_bad_list_only(toy, only):
     assert r.exit_code == 2 and "only: " in r.output
 
 
+def test_env_table_file_that_is_not_text(tmp_path):
+    binary = tmp_path / "env.md"
+    binary.write_bytes(b"\xff\xfe table")
+    r = run("env-table", "--file", binary)
+    assert r.exit_code == 2 and f"--file {binary}: cannot read it as UTF-8 text" in r.output, r.output
+
+
+def test_env_table_fifo_does_not_hang(tmp_path):
+    fifo = tmp_path / "env.md"
+    os.mkfifo(fifo)
+    p = subprocess.run([sys.executable, "-m", "build_tools", "env-table", "--file", str(fifo)], cwd=PROJECT_ROOT,
+                       env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "not a regular file" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_doctor_with_a_missing_manifest_fails(tmp_path):
     r = run("doctor", "--manifest", tmp_path / "missing.yaml")
     assert r.exit_code == 1 and "manifest not found" in r.output
