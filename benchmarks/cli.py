@@ -81,7 +81,10 @@ def _merge(paths):
 
     cells, seen, docs = [], {}, []
     for path in paths:
-        file_cells, doc = report.load_json(path)
+        try:
+            file_cells, doc = report.load_json(path)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
         for c in file_cells:
             key = (c.shape, c.tokens, c.dtype, c.variant)
             if key in seen:
