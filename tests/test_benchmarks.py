@@ -386,6 +386,20 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_run(tmp_path, mon
     assert res.exit_code == 2 and "is a directory" in res.output, res.output
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "257"], "'--layers': 257 is not in the range 1<=x<=256"),   # per-layer inputs: memory
+    (["--kernel", "kv_pool_store", "--layers", "99999999999"], "'--layers': 99999999999 is not in the range"),
+    (["--json", ""], "'--json': an empty path; expected a file path"),       # was "." , written after the run
+    (["--e2e", "--markdown", ""], "'--markdown': an empty path"),
+])
+def test_bad_arguments_are_refused_before_the_run(monkeypatch, args, message):
+    import benchmarks.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "host_info", lambda *a: pytest.fail("measured before checking the arguments"))
+    res = CliRunner().invoke(bench, args)
+    assert res.exit_code == 2 and message in res.output, res.output
+
+
 def test_a_write_that_fails_after_the_run_is_an_error_naming_the_file(tmp_path, monkeypatch):
     """A write that fails once the run is over (a full disk) is a clear error, not a traceback, and
     leaves no temporary file."""

@@ -55,6 +55,11 @@ def test_smoke_run_writes_every_output(tmp_path):
      "cannot hold batch 32 x (prompt 128 + 64 decode tokens - 1) = 6112"),
     (["--layers", "4"], "--layers", "not options of --e2e"),
     (["--dtypes", "float8"], "--dtypes", "'float8' is not one of"),
+    # pools past half the machine's memory (were a numpy ValueError, an OverflowError, or a hang)
+    (["--smoke", "--prompts", "99999999999999999999"], "--prompts", "GiB of pools; at most half of this machine"),
+    (["--smoke", "--decode-tokens", "99999999999999999999"], "--decode-tokens", "GiB of pools; at most half"),
+    (["--smoke", "--pool-size", "99999999999999999999"], "--pool-size", "GiB of pools; at most half"),
+    (["--smoke", "--batches", "100000000"], "--batches", "1900000000 KV slots need"),
 ])
 def test_bad_arguments_name_the_flag(args, flag, says):
     out = run_cli(*args)
