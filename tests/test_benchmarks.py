@@ -462,3 +462,16 @@ def test_graph_count_bad_layers_name_the_flag(layers):
     r = subprocess.run([sys.executable, "-m", "benchmarks.graph_count", "--layers", layers], capture_output=True,
                        text=True, cwd=PROJECT_ROOT, timeout=120)
     assert r.returncode == 2 and "argument --layers" in r.stderr and "from 1 to 256" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("what", ["empty", "fifo"])
+def test_graph_time_summarize_of_no_file_says_so(tmp_path, what):
+    """--summarize '' ran the whole benchmark instead (an empty value read as no --summarize); a FIFO hung."""
+    path = ""
+    if what == "fifo":
+        path = str(tmp_path / "g.csv")
+        os.mkfifo(path)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.graph_time", "--summarize", path], capture_output=True,
+                       text=True, cwd=PROJECT_ROOT, timeout=60)
+    says = "not a regular file" if what == "fifo" else "cannot read it (No such file or directory)"
+    assert r.returncode == 1 and f"--summarize {path}: {says}" in r.stderr, r.stderr
