@@ -18,7 +18,7 @@ import numpy as np
 from registry.rope import RopeConfig
 
 
-MAX_LAYERS = 256                 # the --layers range of the argparse scripts (graph_count, pool_layout)
+MAX_LAYERS = 256                 # the --layers range of bench and the argparse scripts (graph_count, pool_layout)
 
 
 def layer_count(text: str) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from . import e2e as e2e_bench
-from .cases import CASES, DTYPES, SHAPES, TOKENS, VARIANTS
+from .cases import CASES, DTYPES, MAX_LAYERS, SHAPES, TOKENS, VARIANTS
 
 QUICK = dict(shapes=["llama-8b", "phi-4-mini-partial"], tokens=[1, 32, 512], dtypes=["bfloat16"],
              variants=list(VARIANTS))
@@ -53,6 +53,8 @@ def _output(ctx, param, value: Path | None) -> Path | None:
     directory is made (as the write would make it) and a file is created and removed there."""
     if value is None:
         return None
+    if not value.name:                       # "" (Path("") is "."; "." and "/" click refuses as directories)
+        raise click.BadParameter("an empty path; expected a file path")
     try:
         nearest = value.parent
         while not nearest.exists() and nearest != nearest.parent:
@@ -81,7 +83,10 @@ def _merge(paths):
 
     cells, seen, docs = [], {}, []
     for path in paths:
-        file_cells, doc = report.load_json(path)
+        try:
+            file_cells, doc = report.load_json(path)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
         for c in file_cells:
             key = (c.shape, c.tokens, c.dtype, c.variant)
             if key in seen:
@@ -139,7 +144,7 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
 @click.option("--dtypes", callback=_csv(DTYPES), help="Comma list of bfloat16, float16, float32.")
 @click.option("--variants", callback=_csv(VARIANTS), help=f"Comma list of {', '.join(VARIANTS)}.")
 @click.option("--cases", callback=_csv(CASES), help=f"Comma list of {', '.join(CASES)} (default: all).")
-@click.option("--layers", type=click.IntRange(min=1), default=32, show_default=True,
+@click.option("--layers", type=click.IntRange(min=1, max=MAX_LAYERS), default=32, show_default=True,
               help="Layers chained into one step evaluated once.")
 @click.option("--steps", type=click.IntRange(min=20), default=20, show_default=True, help="Timed steps (median).")
 @click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True, help="Untimed steps per case.")
@@ -347,6 +352,16 @@ def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_siz
         raise click.BadParameter(f"{pool_size} slots cannot hold batch {max(batches)} x (prompt {max(prompts)} + "
                                  f"{decode_tokens} decode tokens - 1) = {need}: raise --pool-size or lower "
                                  f"--batches/--prompts", param_hint="--pool-size")
+    slots, budget = pool_size or need, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    for s in sizes:                          # the engine's K and V pools alone, in the widest dtype
+        c = e2e_bench.SIZES[s].config
+        kv = 2 * slots * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * \
+            max(4 if d == "float32" else 2 for d in dtypes)
+        if kv > budget:
+            raise click.BadParameter(f"{s}: {slots} KV slots need {kv / 2**30:.1f} GiB of pools; at most half of "
+                                     f"this machine's memory ({budget / 2**30:.1f} GiB): lower --batches/--prompts/"
+                                     f"--decode-tokens (or --pool-size)", param_hint="--batches/--prompts/"
+                                                                                   "--decode-tokens/--pool-size")
     if on_cpu:
         big = [s for s in sizes if not e2e_bench.SIZES[s].cpu]
         if big:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import os
 import sys
 import time
 
@@ -28,6 +29,8 @@ _SCALE = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "ms
 
 def summarize(path: str) -> str:
     """Total gpu__time_duration of an ncu --csv log per step (NCU_STEPS steps were profiled)."""
+    if os.path.exists(path) and not os.path.isfile(path):   # a FIFO or a device would block the read
+        raise SystemExit(f"--summarize {path}: not a regular file")
     try:
         with open(path, newline="") as f:
             rows = [r for r in csv.reader(f) if len(r) > 5]
@@ -61,7 +64,7 @@ def main(argv=None) -> None:
     p.add_argument("--prefill", action="store_true", help="with --ncu: profile prefills of fresh caches")
     p.add_argument("--summarize", metavar="CSV", help="print the GPU time per step of an ncu --csv log")
     args = p.parse_args(argv)
-    if args.summarize:
+    if args.summarize is not None:        # an empty value is a path that does not exist, not "no --summarize"
         print(summarize(args.summarize))
         return
     from .e2e import SIZES

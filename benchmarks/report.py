@@ -125,6 +125,8 @@ _CELL_FIELDS = ("shape", "tokens", "dtype", "variant", "implementation", "us_per
 
 def _read_doc(path: Path, made_by: str) -> dict:
     """The document of a --json file, checked to hold 'info' and a 'cells' list."""
+    if not Path(path).is_file():   # a FIFO or a device would block the read (or never end)
+        raise ValueError(f"{path}: not a regular file")
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -134,15 +136,47 @@ def _read_doc(path: Path, made_by: str) -> dict:
     return data
 
 
+_NUMBER = (int, float)
+
+
+def _check_values(path: Path, i: int, c: dict, kinds: dict) -> None:
+    """cells[i] holds each field as the report computes with it (kinds: a type tuple, "times" a dict
+    of numbers or nulls, "list" a list of numbers)."""
+    for k, kind in kinds.items():
+        v = c[k]
+        if kind == "times":
+            ok = isinstance(v, dict) and all(x is None or isinstance(x, _NUMBER) for x in v.values())
+        elif kind == "list":
+            ok = isinstance(v, list) and all(isinstance(x, _NUMBER) for x in v)
+        else:
+            ok = isinstance(v, kind) and not isinstance(v, bool)
+        if not ok:
+            want = {"times": "an object of numbers", "list": "a list of numbers", _NUMBER: "a number",
+                    int: "an integer", str: "a string"}[kind]
+            raise ValueError(f"{path}: cells[{i}].{k} is {json.dumps(v)[:40]}; expected {want}")
+
+
+def _check_backend(path: Path, data: dict) -> None:
+    if not isinstance(data["info"].get("backend"), str):   # the targets the report states depend on it
+        raise ValueError(f"{path}: info lacks its 'backend' (cpu, cuda or metal)")
+
+
+_CELL_KINDS = dict(shape=str, tokens=int, dtype=str, variant=str, implementation=str, us_per_layer="times",
+                   bytes_per_layer=_NUMBER)
+
+
 def load_json(path: Path) -> tuple[list[Cell], dict]:
     """Cells and the whole document of a --json file; a malformed file is named with what is missing."""
     data = _read_doc(path, "bench --json")
     cells = []
     for i, c in enumerate(data["cells"]):
-        missing = [k for k in _CELL_FIELDS if k not in c]
+        missing = [k for k in _CELL_FIELDS if not isinstance(c, dict) or k not in c]
         if missing:
             raise ValueError(f"{path}: cells[{i}] lacks {', '.join(missing)}")
-        cells.append(Cell(**{k: c[k] for k in _CELL_FIELDS}, eval_us_per_layer=c.get("eval_us_per_layer", {})))
+        c = dict(c, eval_us_per_layer=c.get("eval_us_per_layer", {}))
+        _check_values(path, i, c, dict(_CELL_KINDS, eval_us_per_layer="times"))
+        cells.append(Cell(**{k: c[k] for k in _CELL_FIELDS}, eval_us_per_layer=c["eval_us_per_layer"]))
+    _check_backend(path, data)
     return cells, data
 
 
@@ -387,8 +421,19 @@ def load_e2e_json(path: Path):
         missing = [k for k in names if not isinstance(c, dict) or k not in c]
         if missing:
             raise ValueError(f"{path}: cells[{i}] lacks {', '.join(missing)} (not a `bench --e2e --json` file?)")
+        _check_values(path, i, c, _E2E_KINDS)
         cells.append(E2ECell(**{k: c[k] for k in names}))
+    skipped = data.get("skipped", [])
+    if not isinstance(skipped, list) or not all(isinstance(s, dict) and isinstance(s.get("mode"), str)
+                                                and isinstance(s.get("reason"), str) for s in skipped):
+        raise ValueError(f"{path}: 'skipped' is not a list of objects with a mode and a reason")
+    _check_backend(path, data)
     return cells, data
+
+
+_E2E_KINDS = dict(size=str, batch=int, prompt=int, dtype=str, mode=str, decode_tokens=int,
+                  decode_tokens_per_s=_NUMBER, prefill_tokens_per_s=_NUMBER, decode_ms_per_step=_NUMBER, rounds=int,
+                  decode_s="list", prefill_s="list", implementation=str)
 
 
 def _with_quartiles(group: dict, a: str, b: str) -> str:

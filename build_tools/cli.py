@@ -16,7 +16,15 @@ import click
 
 MANIFEST_OPTION = click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path), default=None,
                                help="Manifest to use (default: the checkout's or the packaged kernels.yaml).")
-OUT_OPTION = click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+
+
+def _directory(ctx, param, value: str | None) -> Path | None:
+    if value == "":   # Path("") is ".": an empty --out would silently mean the current directory
+        raise click.BadParameter("an empty path; give a directory, or leave the option out")
+    return None if value is None else Path(value)
+
+
+OUT_OPTION = click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, callback=_directory,
                           help="Artifact directory (default: MLX_AOT_CACHE_DIR, else registry/_artifacts when "
                                "writable, else ~/.cache/mlx-aot-kernels/<version>).")
 
@@ -83,7 +91,12 @@ def env_table(write, path, manifest) -> None:
 
     m = _load(manifest)
     path = path or PROJECT_ROOT / "docs" / "env-vars.md"
-    text = path.read_text()
+    if not path.is_file():   # a FIFO or a device would block the read (or never end)
+        _fail(f"--file {path}: not a regular file", 2)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"--file {path}: cannot read it as UTF-8 text ({e})", 2)
     if envs.table_in(text) is None:
         _fail(f"{path}: the generated-table markers are missing ({envs.TABLE_BEGIN} ... {envs.TABLE_END})", 1)
     want = envs.render_table(m.kernels)

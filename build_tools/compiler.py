@@ -376,7 +376,9 @@ def compile_kernels(targets: str | Iterable[str] = ("auto",), out_dir: str | Pat
                          f"{', '.join(chosen) or 'none'}); add --target cuda or drop --arch")
     units, plan_skipped = plan(m, chosen, _split(only) or None, arch_list or None)
     skipped.update(plan_skipped)
-    out = Path(out_dir) if out_dir is not None else default_output_dir()
+    # absolute: the compiler commands run in the manifest's directory, so a relative --out would
+    # name another directory there (the build's own outputs, then the dependency files, go missing)
+    out = Path(out_dir).absolute() if out_dir is not None else default_output_dir()
     report = CompileReport(out_dir=str(out), targets=chosen, skipped=skipped)
     if not dry_run and units:
         out.mkdir(parents=True, exist_ok=True)

@@ -324,6 +324,38 @@ def test_cli_merges_runs_and_refuses_duplicates(tmp_path):
     assert res.exit_code == 2 and "different backends" in res.output
 
 
+_GOOD = dict(shape="llama-8b", tokens=1, dtype="bfloat16", variant="base", implementation="cpu",
+             us_per_layer={"fused": 10.0, "mlx": 20.0}, bytes_per_layer=100)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not a readable benchmark JSON file"),
+    ("[1, 2]", "expected an object with 'info' and a 'cells' list"),
+    (json.dumps({"info": {"backend": "cpu"}, "cells": [1]}), "cells[0] lacks shape"),
+    (json.dumps({"info": {}, "cells": [_GOOD]}), "info lacks its 'backend'"),
+    (json.dumps({"info": {"backend": "cpu"}, "cells": [dict(_GOOD, tokens="8")]}),
+     'cells[0].tokens is "8"; expected an integer'),
+    (json.dumps({"info": {"backend": "cpu"}, "cells": [dict(_GOOD, us_per_layer={"fused": "x"})]}),
+     "cells[0].us_per_layer is {\"fused\": \"x\"}; expected an object of numbers"),
+])
+def test_from_json_that_is_not_a_bench_file_is_a_usage_error(tmp_path, text, message):
+    """A --from-json file that is not `bench --json`'s is a usage error naming the file and what is
+    wrong (was a ValueError, TypeError, KeyError or AttributeError traceback)."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    res = CliRunner().invoke(bench, ["--from-json", str(bad)])
+    assert res.exit_code == 2 and f"{bad}: " in res.output and message in res.output, res.output
+
+
+@pytest.mark.parametrize("e2e", [[], ["--e2e"]])
+def test_from_json_fifo_does_not_hang(tmp_path, e2e):
+    fifo = tmp_path / "r.json"
+    os.mkfifo(fifo)
+    r = subprocess.run([sys.executable, "-m", "benchmarks", *e2e, "--from-json", str(fifo)], capture_output=True,
+                       text=True, cwd=PROJECT_ROOT, timeout=60)
+    assert r.returncode == 2 and f"{fifo}: not a regular file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tokens", "3"], "'3' is not one of 1, 8, 32"),
     (["--shapes", "llama-70b"], "'llama-70b' is not one of llama-8b"),
@@ -352,6 +384,20 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_run(tmp_path, mon
         assert res.exit_code == 2 and "/proc/x.json: cannot write there" in res.output, res.output
     res = CliRunner().invoke(bench, extra + [flag, str(tmp_path)])
     assert res.exit_code == 2 and "is a directory" in res.output, res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "257"], "'--layers': 257 is not in the range 1<=x<=256"),   # per-layer inputs: memory
+    (["--kernel", "kv_pool_store", "--layers", "99999999999"], "'--layers': 99999999999 is not in the range"),
+    (["--json", ""], "'--json': an empty path; expected a file path"),       # was "." , written after the run
+    (["--e2e", "--markdown", ""], "'--markdown': an empty path"),
+])
+def test_bad_arguments_are_refused_before_the_run(monkeypatch, args, message):
+    import benchmarks.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "host_info", lambda *a: pytest.fail("measured before checking the arguments"))
+    res = CliRunner().invoke(bench, args)
+    assert res.exit_code == 2 and message in res.output, res.output
 
 
 def test_a_write_that_fails_after_the_run_is_an_error_naming_the_file(tmp_path, monkeypatch):
@@ -435,3 +481,16 @@ def test_node_cost_bad_arguments_name_the_flag(args, message):
     r = subprocess.run([sys.executable, "-m", "benchmarks.node_cost", *args], capture_output=True, text=True,
                        cwd=PROJECT_ROOT, timeout=120)
     assert r.returncode == 2 and f"argument {args[0]}" in r.stderr and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("what", ["empty", "fifo"])
+def test_graph_time_summarize_of_no_file_says_so(tmp_path, what):
+    """--summarize '' ran the whole benchmark instead (an empty value read as no --summarize); a FIFO hung."""
+    path = ""
+    if what == "fifo":
+        path = str(tmp_path / "g.csv")
+        os.mkfifo(path)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.graph_time", "--summarize", path], capture_output=True,
+                       text=True, cwd=PROJECT_ROOT, timeout=60)
+    says = "not a regular file" if what == "fifo" else "cannot read it (No such file or directory)"
+    assert r.returncode == 1 and f"--summarize {path}: {says}" in r.stderr, r.stderr

@@ -55,6 +55,11 @@ def test_smoke_run_writes_every_output(tmp_path):
      "cannot hold batch 32 x (prompt 128 + 64 decode tokens - 1) = 6112"),
     (["--layers", "4"], "--layers", "not options of --e2e"),
     (["--dtypes", "float8"], "--dtypes", "'float8' is not one of"),
+    # pools past half the machine's memory (were a numpy ValueError, an OverflowError, or a hang)
+    (["--smoke", "--prompts", "99999999999999999999"], "--prompts", "GiB of pools; at most half of this machine"),
+    (["--smoke", "--decode-tokens", "99999999999999999999"], "--decode-tokens", "GiB of pools; at most half"),
+    (["--smoke", "--pool-size", "99999999999999999999"], "--pool-size", "GiB of pools; at most half"),
+    (["--smoke", "--batches", "100000000"], "--batches", "1900000000 KV slots need"),
 ])
 def test_bad_arguments_name_the_flag(args, flag, says):
     out = run_cli(*args)
@@ -142,3 +147,21 @@ def test_from_json_merges_runs_and_refuses_a_cell_twice(tmp_path):
     bad.write_text('{"info": {}, "cells": [{"size": "s"}]}')
     out = run_cli("--from-json", str(bad))
     assert out.exit_code == 2 and "cells[0] lacks batch" in out.output
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda d: d["info"].pop("backend"), "info lacks its 'backend'"),
+    (lambda d: d["cells"].clear() or d["info"].pop("backend"), "info lacks its 'backend'"),
+    (lambda d: d.update(skipped=[1]), "'skipped' is not a list of objects with a mode and a reason"),
+    (lambda d: d["cells"][0].update(batch="8"), 'cells[0].batch is "8"; expected an integer'),
+    (lambda d: d["cells"][0].update(decode_s="slow"), 'cells[0].decode_s is "slow"; expected a list of numbers'),
+])
+def test_from_json_with_wrong_values_is_a_usage_error(tmp_path, change, says):
+    """Was a KeyError, TypeError or ValueError traceback from the report."""
+    path = tmp_path / "a.json"
+    report.write_e2e_json(path, [cell("module", 100)], [], dict(backend="cpu", mlx=mx.__version__), "run a")
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+    out = CliRunner().invoke(bench, ["--e2e", "--from-json", str(path)])
+    assert out.exit_code == 2 and f"{path}: {says}" in out.output, out.output

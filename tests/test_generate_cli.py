@@ -91,11 +91,19 @@ def test_bad_model_argument_is_a_clear_error(tmp_path, capsys, case, expect):
     assert str(target) in err or case == "missing" and "nope" in err
 
 
-@pytest.mark.parametrize("argv", [["--max-tokens", "0"], ["--max-kv-size", "0"], ["--prompt", ""]])
+@pytest.mark.parametrize("argv", [["--max-tokens", "0"], ["--max-kv-size", "0"], ["--prompt", ""], ["--model", ""]])
 def test_bad_numbers_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--model", "llama", *argv])
     assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_prompt_the_tokenizer_encodes_to_nothing(tmp_path, capsys):
+    """Was mlx-lm's "Either input_embeddings or prompt (or both) must be provided", naming no flag."""
+    _save(tmp_path, "qwen3")
+    _tokenizer(tmp_path)
+    assert cli.main(["--model", str(tmp_path), "--prompt", " ", "--max-tokens", "2"]) == 2
+    assert "--prompt ' ': the tokenizer encodes it to no tokens" in capsys.readouterr().err
 
 
 # The e2e benchmark's mlx_lm_fused_cache mode: a head_dim-128 GQA llama at a real vocabulary size

@@ -476,10 +476,43 @@ def test_bad_compile_arguments(toy, args, expected):
     assert r.exit_code == 2 and expected in r.output
 
 
+@pytest.mark.parametrize("command", ["compile", "list", "clean"])
+def test_empty_out_is_an_error_not_the_current_directory(toy, monkeypatch, command):
+    monkeypatch.chdir(toy)   # holds index.json-like files nobody asked to touch
+    r = run(command, "--manifest", toy / "kernels.yaml", "--out", "")
+    assert r.exit_code == 2 and "'--out': an empty path" in r.output, r.output
+
+
+def test_relative_out_builds_there(tmp_path, monkeypatch):
+    """The compiler runs in the manifest's directory: a relative --out is taken from the caller's
+    working directory, not silently from there (the build failed with a missing dependency file)."""
+    manifest = toy_project(tmp_path / "proj", cuda=False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    r = run("compile", "--target", "cpu", "--manifest", manifest, "--out", "rel")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "elsewhere" / "rel" / "index.json").is_file() and not (tmp_path / "proj" / "rel").exists()
+
+
 @pytest.mark.parametrize("only", ["", "../victim"])
 def test_bad_list_only(toy, only):
     r = run("list", "--manifest", toy / "kernels.yaml", "--out", toy / "out", "--only", only)
     assert r.exit_code == 2 and "only: " in r.output
+
+
+def test_env_table_file_that_is_not_text(tmp_path):
+    binary = tmp_path / "env.md"
+    binary.write_bytes(b"\xff\xfe table")
+    r = run("env-table", "--file", binary)
+    assert r.exit_code == 2 and f"--file {binary}: cannot read it as UTF-8 text" in r.output, r.output
+
+
+def test_env_table_fifo_does_not_hang(tmp_path):
+    fifo = tmp_path / "env.md"
+    os.mkfifo(fifo)
+    p = subprocess.run([sys.executable, "-m", "build_tools", "env-table", "--file", str(fifo)], cwd=PROJECT_ROOT,
+                       env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "not a regular file" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_doctor_with_a_missing_manifest_fails(tmp_path):

@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-kv-size must be >= 1, got {args.max_kv_size}")
     if not args.prompt:
         p.error("--prompt must not be empty")
+    if not args.model:
+        p.error("--model must not be empty")   # Path("") is the current directory
 
     from ..errors import MlxAotError
     from .mlx_lm import import_mlx_lm_module
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer, what = load(args.model, args.dtype)
         if tokenizer is not None:
             prompt = list(tokenizer.encode(args.prompt))
+            if not prompt:
+                raise ModelLoadError(f"--prompt {args.prompt!r}: the tokenizer encodes it to no tokens")
         else:
             v = vocab_size(model)
             prompt = [b % v for b in args.prompt.encode("utf-8")]
