@@ -1,7 +1,8 @@
 """What one graph node costs the host, by kind: N independent nodes of one kind (distinct inputs and
 pools per node, like the layers of one step) are built, then evaluated; build and eval (to the
-stream's end) are timed apart, per node, median of --steps. Kinds: the fused qk_norm call
-(`aot_qk_norm`), the fused rope call (`aot_rope`), the fused K/V store (`aot_kv_store`), and MLX's own `rms_norm`, `rope`, `scatter` (a
+stream's end) are timed apart, per node, median of --steps, the kinds in interleaved rounds
+(runner.time_steps). Kinds: the fused qk_norm call (`aot_qk_norm`), the fused rope call
+(`aot_rope`), the fused K/V store (`aot_kv_store`), and MLX's own `rms_norm`, `rope`, `scatter` (a
 pool row store, as mlx_lm's slot caches write) and `add`. With the number of inputs and outputs of
 each kind beside it, this tells the launcher's per-node cost from MLX's own. On a GPU host the eval
 column also holds the CUDA graph's build, update and launch, and the GPU's time (tiny at decode
@@ -12,14 +13,12 @@ sizes). docs/benchmarks/e2e-root-cause.md, section 15.
 from __future__ import annotations
 
 import argparse
-import gc
-import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
 
 from .cases import SHAPES, layer_count
+from .runner import time_steps
 
 KINDS = ("aot_qk_norm", "aot_rope", "aot_kv_store", "rms_norm", "rope", "scatter", "add")
 # (inputs, outputs) of each kind's node: MLX's host cost per node grows with them
@@ -116,31 +115,12 @@ def _builders(n: int, T: int):
 
 
 def run(kinds, n: int, T: int, steps: int) -> list[tuple[str, float, float]]:
+    """(name, build us, eval us) per node for each kind; the kinds interleave in rounds
+    (runner.time_steps), and build is the median step less the median eval."""
     builders, impl = _builders(n, T)
-    rows = []
-    gc.disable()
-    try:
-        for kind in kinds:
-            build = builders[kind]
-            for _ in range(3):
-                mx.eval(build())
-            mx.synchronize()
-            b, e = [], []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                outs = build()
-                t1 = time.perf_counter()
-                mx.eval(outs)
-                mx.synchronize()
-                t2 = time.perf_counter()
-                del outs
-                b.append(t1 - t0)
-                e.append(t2 - t1)
-            rows.append((f"{kind} ({impl[kind]})" if kind in impl else kind,
-                         statistics.median(b) / n * 1e6, statistics.median(e) / n * 1e6))
-    finally:
-        gc.enable()
-    return rows
+    times = time_steps({k: builders[k] for k in kinds}, steps, warmup=3)
+    return [(f"{k} ({impl[k]})" if k in impl else k, (times[k][0] - times[k][1]) / n * 1e6, times[k][1] / n * 1e6)
+            for k in kinds]
 
 
 def main(argv=None) -> None:
