@@ -9,6 +9,7 @@ time graph building and evaluation separately.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,15 +22,25 @@ from registry.rope import RopeConfig
 MAX_LAYERS = 256                 # the --layers range of bench and the argparse scripts (graph_count, pool_layout)
 
 
-def layer_count(text: str) -> int:
-    """argparse `type=` for --layers: an integer from 1 to MAX_LAYERS, else a usage error naming it."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_LAYERS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer from 1 to {MAX_LAYERS}")
-    return n
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """argparse `type=`: an integer from lo to hi, else a usage error naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = lo - 1
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer from {lo} to {hi}")
+        return n
+    return parse
+
+
+layer_count = int_in(1, MAX_LAYERS)   # --layers (and other per-step counts) of the argparse scripts
+
+
+def memory_budget() -> int:
+    """Half of this machine's physical memory in bytes: the most the benchmarks' pools may take."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 class BenchmarkError(RuntimeError):

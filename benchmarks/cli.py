@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from . import e2e as e2e_bench
-from .cases import CASES, DTYPES, MAX_LAYERS, SHAPES, TOKENS, VARIANTS
+from .cases import CASES, DTYPES, MAX_LAYERS, SHAPES, TOKENS, VARIANTS, memory_budget
 
 QUICK = dict(shapes=["llama-8b", "phi-4-mini-partial"], tokens=[1, 32, 512], dtypes=["bfloat16"],
              variants=list(VARIANTS))
@@ -352,7 +352,7 @@ def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_siz
         raise click.BadParameter(f"{pool_size} slots cannot hold batch {max(batches)} x (prompt {max(prompts)} + "
                                  f"{decode_tokens} decode tokens - 1) = {need}: raise --pool-size or lower "
                                  f"--batches/--prompts", param_hint="--pool-size")
-    slots, budget = pool_size or need, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    slots, budget = pool_size or need, memory_budget()
     for s in sizes:                          # the engine's K and V pools alone, in the widest dtype
         c = e2e_bench.SIZES[s].config
         kv = 2 * slots * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * \

@@ -17,7 +17,7 @@ import argparse
 import mlx.core as mx
 import numpy as np
 
-from .cases import SHAPES, layer_count
+from .cases import SHAPES, int_in, layer_count
 from .runner import time_steps
 
 KINDS = ("aot_qk_norm", "aot_rope", "aot_kv_store", "rms_norm", "rope", "scatter", "add")
@@ -32,16 +32,6 @@ def _kind_list(text: str) -> list[str]:
     if bad or not kinds:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(KINDS)}")
     return kinds
-
-
-def _token_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 4096:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer from 1 to 4096")
-    return n
 
 
 def _builders(n: int, T: int):
@@ -126,7 +116,7 @@ def run(kinds, n: int, T: int, steps: int) -> list[tuple[str, float, float]]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.node_cost")
     p.add_argument("--nodes", type=layer_count, default=32, help="independent nodes per step, 1-256 (default 32)")
-    p.add_argument("--tokens", type=_token_count, default=8, help="tokens per node, 1-4096 (default 8)")
+    p.add_argument("--tokens", type=int_in(1, 4096), default=8, help="tokens per node, 1-4096 (default 8)")
     p.add_argument("--steps", type=layer_count, default=40, help="timed steps per kind, 1-256 (default 40)")
     p.add_argument("--kinds", type=_kind_list, default=list(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     a = p.parse_args(argv)

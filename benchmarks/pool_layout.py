@@ -12,13 +12,12 @@ evaluation never keeps the gathered arrays; microseconds per op, the best of 2 m
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import mlx.core as mx
 
-from .cases import layer_count
+from .cases import layer_count, memory_budget
 
 
 def _time(build, reps: int = 10) -> float:
@@ -84,18 +83,13 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     return B, ctx, H, D
 
 
-def _memory() -> int:
-    """This machine's physical memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.pool_layout")
     p.add_argument("--shapes", type=lambda s: [_shape(t) for t in s.split(",")],
                    default=[(32, 192, 8, 128), (8, 192, 8, 64)], help="e.g. 32x192x8x128,8x192x8x64")
     p.add_argument("--layers", type=layer_count, default=32, help="ops per evaluation, 1-256 (default 32)")
     args = p.parse_args(argv)
-    budget = _memory() // 2
+    budget = memory_budget()
     for B, ctx, H, D in args.shapes:
         elements = B * ctx * H * D
         need = 2 * args.layers * elements * 2            # both layouts' pools, bf16
