@@ -216,9 +216,7 @@ class _Loader(yaml.SafeLoader):
                 node.start_mark)
         try:
             return super().construct_object(node, deep)
-        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
-            if isinstance(e, yaml.YAMLError):
-                raise
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:   # never a YAMLError
             what = _short(node.value) if isinstance(node, yaml.ScalarNode) else f"this {node.id}"
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
             raise yaml.constructor.ConstructorError(
