@@ -23,7 +23,7 @@ struct Params {
 // rotation of the first rotary_dims features in fp32, rounded once more. `normed` is scratch.
 template <typename C>
 void norm_rope_row(const typename C::storage* __restrict in, typename C::storage* __restrict out,
-                   const typename C::storage* __restrict weight, const float* cs, const float* sn, const Params& p,
+                   const float* __restrict weight, const float* cs, const float* sn, const Params& p,
                    float* normed) {
   const int D = p.head_dim;
   float ss = 0.0f;
@@ -33,7 +33,7 @@ void norm_rope_row(const typename C::storage* __restrict in, typename C::storage
   }
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + p.eps);
   for (int i = 0; i < D; ++i)
-    normed[i] = C::load(C::store(C::load(in[i]) * r * (C::load(weight[i]) + p.weight_offset)));
+    normed[i] = C::load(C::store(C::load(in[i]) * r * (weight[i] + p.weight_offset)));
   const int half = p.rotary_dims / 2;
   for (int i = 0; i < half; ++i) {
     const int a = p.traditional ? 2 * i : i;
@@ -58,29 +58,31 @@ void run(void** args) {
   TP* v_pool = buffer<TP>(args, 6);
   const int32_t* positions = buffer<const int32_t>(args, 7);
   const int32_t* slots = buffer<const int32_t>(args, 8);
-  const float* inv_freq = buffer<const float>(args, 9);
-  const T* q_weight = buffer<const T>(args, 10);
-  const T* k_weight = buffer<const T>(args, 11);
-  const int n_tokens = scalar<int32_t>(args, 12);
-  const int pool_size = scalar<int32_t>(args, 13);
-  const int pool_rows = scalar<int32_t>(args, 14);
-  const int n_q_heads = scalar<int32_t>(args, 15);
-  const int n_kv_heads = scalar<int32_t>(args, 16);
+  const float* table = buffer<const float>(args, 9);
+  const int n_tokens = scalar<int32_t>(args, 10);
+  const int pool_size = scalar<int32_t>(args, 11);
+  const int pool_rows = scalar<int32_t>(args, 12);
+  const int n_q_heads = scalar<int32_t>(args, 13);
+  const int n_kv_heads = scalar<int32_t>(args, 14);
   Params p;
-  p.head_dim = scalar<int32_t>(args, 17);
-  p.rotary_dims = scalar<int32_t>(args, 18);
-  p.traditional = scalar<int32_t>(args, 19) != 0;
-  const int pool_layout = scalar<int32_t>(args, 20);
-  const float pos_scale = scalar<float>(args, 21);
-  p.mscale = scalar<float>(args, 22);
-  p.eps = scalar<float>(args, 23);
-  p.weight_offset = scalar<float>(args, 24);
-  const int seq_len = scalar<int32_t>(args, 25);
-  const int act_layout = scalar<int32_t>(args, 26);
+  p.head_dim = scalar<int32_t>(args, 15);
+  p.rotary_dims = scalar<int32_t>(args, 16);
+  p.traditional = scalar<int32_t>(args, 17) != 0;
+  const int pool_layout = scalar<int32_t>(args, 18);
+  const float pos_scale = scalar<float>(args, 19);
+  p.mscale = scalar<float>(args, 20);
+  p.eps = scalar<float>(args, 21);
+  p.weight_offset = scalar<float>(args, 22);
+  const int seq_len = scalar<int32_t>(args, 23);
+  const int act_layout = scalar<int32_t>(args, 24);
+  // norm_rope_table: [q_weight (head_dim) | k_weight (head_dim) | inv_freq (rotary_dims / 2)], fp32
+  const float* q_weight = table;
+  const float* k_weight = table + p.head_dim;
+  const float* inv_freq = table + 2 * p.head_dim;
   // Strided activations; q_out/k_out are the launcher's fresh row-contiguous arrays (unit feature stride).
-  const aot_cpu::View vq = aot_cpu::view(args, 27, act_layout, seq_len), vk = aot_cpu::view(args, 28, act_layout, seq_len),
-                      vv = aot_cpu::view(args, 29, act_layout, seq_len), vqo = aot_cpu::view(args, 30, act_layout, seq_len),
-                      vko = aot_cpu::view(args, 31, act_layout, seq_len);
+  const aot_cpu::View vq = aot_cpu::view(args, 25, act_layout, seq_len), vk = aot_cpu::view(args, 26, act_layout, seq_len),
+                      vv = aot_cpu::view(args, 27, act_layout, seq_len), vqo = aot_cpu::view(args, 28, act_layout, seq_len),
+                      vko = aot_cpu::view(args, 29, act_layout, seq_len);
   std::vector<T> scratch(p.head_dim);
 
   const int half = p.rotary_dims / 2;

@@ -106,6 +106,22 @@ NB_MODULE(_ext, m) {
       "dst"_a, "src"_a,
       "Make the array object `dst` the array `src` (the same graph node, no new one): how the integrations "
       "give the attention's placeholder its value.");
+  m.def(
+      "array_ids",
+      [](nb::args arrays) {
+        nb::list ids;
+        for (nb::handle h : arrays) {
+          mlx::core::array* a = nullptr;
+          if (!nb::try_cast<mlx::core::array*>(h, a) || a == nullptr)
+            throw nb::type_error(("array_ids takes mx.array arguments, got " +
+                                  std::string(nb::type_name(h.type()).c_str())).c_str());
+          ids.append(a->id());
+        }
+        return nb::tuple(ids);
+      },
+      "The identities of the arrays' descriptors, as a tuple: equal for two array objects of one MLX array, "
+      "new after an update in place (`a[...] = x` gives the Python object another descriptor). Unique only "
+      "while the descriptor lives: hold the array to keep it (registry.kernels._base.DerivedArray).");
   m.def("cuda_device_arch", &mlx_aot::cuda_device_arch, "device"_a = 0,
         "Compute capability of a CUDA device as 'sm_XY' ('' without CUDA).");
   m.def("memory_kind", &mlx_aot::memory_kind, "a"_a,

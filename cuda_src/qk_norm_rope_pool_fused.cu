@@ -48,7 +48,7 @@ struct Chunk {
 // sizes is memory latency, so one round trip instead of one per dependent step.
 template <typename T>
 __device__ __forceinline__ void load_chunk(Chunk& c, int c0, int lane, int pairs, int half_rot, int rotary_dims,
-                                           bool trad, const T* in, long long in_step, const T* w,
+                                           bool trad, const T* in, long long in_step, const float* w,
                                            const float* inv_freq, const T* vr, long long v_step, bool is_q) {
 #pragma unroll
   for (int j = 0; j < NP; ++j) {
@@ -61,8 +61,8 @@ __device__ __forceinline__ void load_chunk(Chunk& c, int c0, int lane, int pairs
     c.b[j] = b;
     c.x1[j] = Cvt<T>::load(in[a * in_step]);
     c.x2[j] = Cvt<T>::load(in[b * in_step]);
-    c.w1[j] = Cvt<T>::load(w[a]);
-    c.w2[j] = Cvt<T>::load(w[b]);
+    c.w1[j] = w[a];
+    c.w2[j] = w[b];
     c.f[j] = rotary ? inv_freq[i] : 0.0f;
     if (!is_q) {
       c.v1[j] = Cvt<T>::load(vr[a * v_step]);
@@ -75,8 +75,7 @@ template <typename T, typename P>
 __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      T* __restrict__ q_out, T* __restrict__ k_out, P* k_pool, P* v_pool,
                      const int32_t* __restrict__ positions, const int32_t* __restrict__ slots,
-                     const float* __restrict__ inv_freq, const T* __restrict__ q_weight,
-                     const T* __restrict__ k_weight, const Params& p, const ActStrides& st) {
+                     const float* __restrict__ table, const Params& p, const ActStrides& st) {
   const long long gid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long row_id = gid / 32;
   const int lane = static_cast<int>(gid % 32);
@@ -92,7 +91,9 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const T* in = (is_q ? q : k) + aot_cuda::act_row(t, h, in_st, p.act_layout, p.seq_len);
   T* out = (is_q ? q_out : k_out) + aot_cuda::act_row(t, h, out_st, p.act_layout, p.seq_len);
   const long long in_step = in_st.s[3], out_step = out_st.s[3];
-  const T* w = is_q ? q_weight : k_weight;
+  // norm_rope_table: [q_weight (D) | k_weight (D) | inv_freq (rotary_dims / 2)], fp32
+  const float* w = table + (is_q ? 0 : D);
+  const float* inv_freq = table + 2 * D;
   const T* vr = is_q ? v : v + aot_cuda::act_row(t, h, st.v, p.act_layout, p.seq_len);
   const long long v_step = st.v.s[3];
   const int half_rot = p.rotary_dims / 2;
@@ -161,17 +162,16 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #define QKN_ENTRY(NAME, T, P)                                                                             \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                                 \
       const T* q, const T* k, const T* v, T* q_out, T* k_out, P* k_pool, P* v_pool,                        \
-      const int32_t* positions, const int32_t* slots, const float* inv_freq, const T* q_weight,            \
-      const T* k_weight, int n_tokens, int pool_size, int pool_rows, int n_q_heads, int n_kv_heads,        \
-      int head_dim, int rotary_dims, int traditional, int pool_layout, float pos_scale, float mscale,      \
-      float eps, float weight_offset, int seq_len, int act_layout, Strides q_strides, Strides k_strides,    \
-      Strides v_strides, Strides q_out_strides, Strides k_out_strides) {                                  \
+      const int32_t* positions, const int32_t* slots, const float* norm_rope_table, int n_tokens,         \
+      int pool_size, int pool_rows, int n_q_heads, int n_kv_heads, int head_dim, int rotary_dims,          \
+      int traditional, int pool_layout, float pos_scale, float mscale, float eps, float weight_offset,     \
+      int seq_len, int act_layout, Strides q_strides, Strides k_strides, Strides v_strides,                \
+      Strides q_out_strides, Strides k_out_strides) {                                                     \
     const Params p{n_tokens, pool_size, pool_rows, n_q_heads, n_kv_heads, head_dim, rotary_dims,          \
                    traditional, pool_layout, pos_scale, mscale, eps, weight_offset, seq_len, act_layout};  \
     const ActStrides st{q_strides, k_strides, v_strides, q_out_strides, k_out_strides};                   \
     if (!aot_cuda::act_layout_ok(act_layout, seq_len)) return; /* an unknown layout: nothing */            \
-    body<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, inv_freq, q_weight, k_weight, p,   \
-               st);                                                                                        \
+    body<T, P>(q, k, v, q_out, k_out, k_pool, v_pool, positions, slots, norm_rope_table, p, st);          \
   }
 
 QKN_ENTRY(qk_norm_rope_pool_fused_f16, __half, __half)

@@ -49,18 +49,16 @@ template <typename T, typename P>
     device P* v_pool [[buffer(6)]],
     const device int* positions [[buffer(7)]],
     const device int* slots [[buffer(8)]],
-    const device float* inv_freq [[buffer(9)]],
-    const device T* q_weight [[buffer(10)]],
-    const device T* k_weight [[buffer(11)]],
-    constant int& n_tokens [[buffer(12)]],
-    constant int& pool_size [[buffer(13)]],
-    constant int& pool_rows [[buffer(14)]],
-    constant int& seq_len [[buffer(15)]],
-    constant int4& q_strides [[buffer(16)]],
-    constant int4& k_strides [[buffer(17)]],
-    constant int4& v_strides [[buffer(18)]],
-    constant int4& q_out_strides [[buffer(19)]],
-    constant int4& k_out_strides [[buffer(20)]],
+    const device float* norm_rope_table [[buffer(9)]],
+    constant int& n_tokens [[buffer(10)]],
+    constant int& pool_size [[buffer(11)]],
+    constant int& pool_rows [[buffer(12)]],
+    constant int& seq_len [[buffer(13)]],
+    constant int4& q_strides [[buffer(14)]],
+    constant int4& k_strides [[buffer(15)]],
+    constant int4& v_strides [[buffer(16)]],
+    constant int4& q_out_strides [[buffer(17)]],
+    constant int4& k_out_strides [[buffer(18)]],
     uint3 gid [[thread_position_in_grid]],
     uint3 lid [[thread_position_in_threadgroup]]) {
   threadgroup float partial[256];
@@ -79,7 +77,9 @@ template <typename T, typename P>
   const device T* in = (is_q ? q : k) + act_row(si, t, h, seq_len);
   device T* out = (is_q ? q_out : k_out) + act_row(so, t, h, seq_len);
   const long fi = si.w, fo = so.w, fv = v_strides.w;
-  const device T* w = is_q ? q_weight : k_weight;
+  // norm_rope_table: [q_weight (HEAD_DIM) | k_weight (HEAD_DIM) | inv_freq (ROTARY_DIMS / 2)], fp32
+  const device float* w = norm_rope_table + (is_q ? 0 : HEAD_DIM);
+  const device float* inv_freq = norm_rope_table + 2 * HEAD_DIM;
   const int half_rot = ROTARY_DIMS / 2;
   const int pairs = live ? HEAD_DIM / 2 : 0;
   const bool trad = TRADITIONAL != 0;
@@ -121,8 +121,8 @@ template <typename T, typename P>
     const bool rotary = i < half_rot;
     const int a = rotary ? (trad ? 2 * i : i) : ROTARY_DIMS + 2 * (i - half_rot);
     const int b = rotary && !trad ? a + half_rot : a + 1;
-    float y1 = float(T(float(in[a * fi]) * r * (float(w[a]) + WEIGHT_OFFSET)));
-    float y2 = float(T(float(in[b * fi]) * r * (float(w[b]) + WEIGHT_OFFSET)));
+    float y1 = float(T(float(in[a * fi]) * r * (w[a] + WEIGHT_OFFSET)));
+    float y2 = float(T(float(in[b * fi]) * r * (w[b] + WEIGHT_OFFSET)));
     if (rotary) {
       // precise::, not fast:: (Metal's default for plain sin/cos): angles reach ~1e5 rad.
       float c;
@@ -152,13 +152,12 @@ template <typename T, typename P>
       const device T* v [[buffer(2)]], device T* q_out [[buffer(3)]],                             \
       device T* k_out [[buffer(4)]], device P* k_pool [[buffer(5)]],                              \
       device P* v_pool [[buffer(6)]], const device int* positions [[buffer(7)]],                  \
-      const device int* slots [[buffer(8)]], const device float* inv_freq [[buffer(9)]],          \
-      const device T* q_weight [[buffer(10)]], const device T* k_weight [[buffer(11)]],           \
-      constant int& n_tokens [[buffer(12)]], constant int& pool_size [[buffer(13)]],              \
-      constant int& pool_rows [[buffer(14)]], constant int& seq_len [[buffer(15)]],               \
-      constant int4& q_strides [[buffer(16)]], constant int4& k_strides [[buffer(17)]],           \
-      constant int4& v_strides [[buffer(18)]], constant int4& q_out_strides [[buffer(19)]],       \
-      constant int4& k_out_strides [[buffer(20)]], uint3 gid [[thread_position_in_grid]],         \
+      const device int* slots [[buffer(8)]], const device float* norm_rope_table [[buffer(9)]],   \
+      constant int& n_tokens [[buffer(10)]], constant int& pool_size [[buffer(11)]],              \
+      constant int& pool_rows [[buffer(12)]], constant int& seq_len [[buffer(13)]],               \
+      constant int4& q_strides [[buffer(14)]], constant int4& k_strides [[buffer(15)]],           \
+      constant int4& v_strides [[buffer(16)]], constant int4& q_out_strides [[buffer(17)]],       \
+      constant int4& k_out_strides [[buffer(18)]], uint3 gid [[thread_position_in_grid]],         \
       uint3 lid [[thread_position_in_threadgroup]]);
 
 INSTANTIATE("qk_norm_rope_pool_fused_f16", half, half)

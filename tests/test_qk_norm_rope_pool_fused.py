@@ -192,3 +192,48 @@ def test_inconsistent_head_major_scalars_never_divide_by_zero(native_artifacts):
     want = oracle(args, rope, norm)
     np.testing.assert_allclose(to_np(out[1]), want[1], atol=2 * TOL["float32"], rtol=2 * TOL["float32"])
     assert out[2].shape == (2, 2, 0, 8)
+
+
+def test_the_weight_table_follows_the_weight_arrays(native_artifacts):
+    """The native kernels take the norm weights and the RoPE table as one buffer (norm_rope_table). The
+    kernel object makes it once per pair of weight arrays and reuses it while those same arrays come
+    back; other arrays, or the same Python object updated in place (a new MLX array), get their own."""
+    rope, norm = RopeConfig(64), NormConfig(1e-6, 1.0)
+    kernel = native_kernel(rope, norm)
+    args = list(make(2, 4, 2, 64, (4, 2, 64), "float32", [1, 3]))
+    run = lambda a: kernel(*a[:5], mx.array(a[5]), mx.array(a[6]), *a[7:])
+    check(run(args), args, rope, norm, "float32")
+    table = kernel._table(args[7], args[8])
+    check(run(args), args, rope, norm, "float32")
+    assert kernel._table(args[7], args[8]) is table
+    args[7][:8] = 3.0                          # in place: the same Python object holds a new array
+    assert kernel._table(args[7], args[8]) is not table
+    check(run(args), args, rope, norm, "float32")
+    args[8] = args[8] * 2                      # another array object
+    check(run(args), args, rope, norm, "float32")
+
+
+def test_weights_of_another_float_dtype_go_to_the_kernel_exactly(native_artifacts):
+    """bf16 activations with f32 norm weights: the table holds the weights in fp32, as the reference's
+    fp32 math takes them (no rounding to the activations' dtype first)."""
+    rope, norm = RopeConfig(64), NormConfig(1e-6)
+    args = list(make(3, 4, 2, 64, (4, 2, 64), "bfloat16", [0, 2, -1]))
+    rng = np.random.default_rng(7)
+    args[7], args[8] = (mx.array((1 + 0.01 * rng.standard_normal(64)).astype(np.float32)) for _ in range(2))
+    got = native_kernel(rope, norm)(*args[:5], mx.array(args[5]), mx.array(args[6]), *args[7:])
+    ref = qk_norm_rope_pool_fused_reference(*args, rope=rope, norm=norm)
+    for name, g, r in zip(("q_out", "k_out", "k_pool", "v_pool"), got, ref):
+        np.testing.assert_allclose(to_np(g), to_np(r), atol=TOL["bfloat16"], rtol=TOL["bfloat16"], err_msg=name)
+
+
+def test_derived_arrays_are_bounded():
+    from registry.kernels._base import DerivedArray
+
+    made = []
+    derived = DerivedArray(lambda a, b: made.append(1) or a + b, limit=2)
+    xs = [mx.array([float(i)]) for i in range(3)]
+    for _ in range(2):
+        assert derived(xs[0], xs[1]).item() == 1.0
+    assert len(made) == 1
+    derived(xs[1], xs[2]), derived(xs[2], xs[0])     # the third entry starts the cache again
+    assert len(derived._entries) == 1 and len(made) == 3

@@ -232,6 +232,37 @@ def check_slot_values(kernel: str, slots: mx.array, pool_size: int, positions: m
                                   f"float(position) * pos_scale * inv_freq all the same)")
 
 
+# ----------------------------------------------------------------------------- derived inputs
+
+class DerivedArray:
+    """`make(*arrays)`, made once per distinct tuple of argument arrays and reused while the same
+    arrays are passed again: a kernel's per-layer input derived from its arguments (e.g. one table of
+    the layer's norm weights, since every buffer is a graph edge that MLX pays for at every call).
+
+    Identity is the arrays' MLX descriptors (registry._ext.array_ids), never their values: an MLX array's
+    value never changes, and an update in place (`w[...] = x`, `w += 1`) gives the Python object a new
+    descriptor, so it is made again. Each entry holds its arrays (a handle on their descriptors), so
+    no id is reused while the entry lives. At most `limit` entries; a full cache starts again."""
+
+    __slots__ = ("make", "limit", "_entries", "_ids")
+
+    def __init__(self, make, limit: int = 256):
+        from ..native import import_ext   # only the native path derives inputs
+
+        self.make, self.limit = make, limit
+        self._entries: dict[tuple, tuple] = {}
+        self._ids = import_ext().array_ids
+
+    def __call__(self, *arrays: mx.array) -> mx.array:
+        key = self._ids(*arrays)
+        hit = self._entries.get(key)
+        if hit is None:
+            if len(self._entries) >= self.limit:
+                self._entries.clear()
+            hit = self._entries[key] = ([mx.array(a) for a in arrays], self.make(*arrays))  # mx.array(a): a's descriptor
+        return hit[1]
+
+
 # ----------------------------------------------------------------------------- the kernel object
 
 class PoolKernel:
@@ -389,21 +420,23 @@ class PoolKernel:
 
 
 class _LastBound:
-    """PoolKernel.last_bound's callable for a native kernel."""
+    """PoolKernel.last_bound's callable for a native kernel: the launch of the last signature's plan,
+    called directly (one Python frame per call)."""
 
-    __slots__ = ("kernel", "bound")
+    __slots__ = ("kernel", "plan")
 
     def __init__(self, kernel: PoolKernel):
-        self.kernel, self.bound = kernel, None
+        self.kernel, self.plan = kernel, None
 
     def __call__(self, *args):
-        if self.bound is not None:
+        k = self.kernel
+        if self.plan is not None:
             try:
-                return self.bound(*args)
+                return k._launch(k._binary, self.plan, k.launch_arrays(*args), k.device)
             except ValueError:             # the plan's shapes or dtypes differ: a new signature
                 pass
-        self.bound = self.kernel.bind(*args)
-        return self.bound(*args)
+        self.plan = k._plan(args)          # validated once per signature, as bind()
+        return k._launch(k._binary, self.plan, k.launch_arrays(*args), k.device)
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,6 +8,8 @@ k_weight [D] (the layer's q_norm / k_norm weights), positions and slots int32 [T
 [S, Hkv, D] or head-major [B, Hkv, S, D]. q_out = rope(norm_q(q)), k_out = rope(norm_k(k)); k_out and
 v go to the pools at valid slots. For the attention code that runs norm -> RoPE -> cache (qwen3,
 gemma3, ...); mlx_lm.trace_attention checks that order per layer. Always rebind the pools.
+The native kernels take the weights and the RoPE table as one fp32 buffer, norm_rope_table, which the
+kernel object makes once per pair of weight arrays (DerivedArray) and reuses while they are passed.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from ..core import SelectionContext
 from ..errors import KernelArgumentError
 from ..norm import NormConfig
 from ..rope import RopeConfig
-from ._base import (PoolGeometry, PoolKernel, act_scalars, check_arrays, from_rows, pool_dtype_key, rows_of, shape_str,
-                    store_rows, to_rows)
+from ._base import (DerivedArray, PoolGeometry, PoolKernel, act_scalars, check_arrays, from_rows, pool_dtype_key,
+                    rows_of, shape_str, store_rows, to_rows)
 from ._rope import check_rope_args, inv_freq, rope_config, rope_scalars, rotate
 
 KERNEL_NAME = "qk_norm_rope_pool_fused"
@@ -37,13 +39,15 @@ def _norm_config(norm: Any) -> NormConfig:
 class QkNormRopePoolFusedKernel(PoolKernel):
     NAME = KERNEL_NAME
     ARGS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool", "q_weight", "k_weight")
-    INPUTS = ("q", "k", "v", "k_pool", "v_pool", "positions", "slots", "inv_freq", "q_weight", "k_weight")
+    INPUTS = ("q", "k", "v", "k_pool", "v_pool", "positions", "slots", "norm_rope_table")
     POSITIONS = "positions"
 
     def __init__(self, config: tuple[RopeConfig, NormConfig], **kw):
         super().__init__(config, **kw)
         self.rope, self.norm = config
         self._inv_freq = inv_freq(self.rope)
+        # One buffer per layer for its norm weights and the RoPE table, made once per weight pair.
+        self._table = None if self._launcher is None else DerivedArray(self._make_table)
 
     @classmethod
     def config_from(cls, ctx: SelectionContext):
@@ -88,10 +92,13 @@ class QkNormRopePoolFusedKernel(PoolKernel):
             grid, group = (1, 1, 1), (1, 1, 1)
         return pool_dtype_key(q.dtype, k_pool.dtype), scalars, grid, group
 
+    def _make_table(self, q_weight, k_weight) -> mx.array:
+        """norm_rope_table: [q_weight | k_weight | inv_freq] in fp32 (the weights exactly, as the
+        reference's fp32 math takes them)."""
+        return mx.concatenate([q_weight.astype(mx.float32), k_weight.astype(mx.float32), self._inv_freq])
+
     def launch_arrays(self, q, k, v, positions, slots, k_pool, v_pool, q_weight, k_weight):
-        # The weights travel in the activations' dtype (the entry's buffer dtype); a no-op when they match.
-        return [q, k, v, k_pool, v_pool, positions, slots, self._inv_freq, q_weight.astype(q.dtype),
-                k_weight.astype(q.dtype)]
+        return [q, k, v, k_pool, v_pool, positions, slots, self._table(q_weight, k_weight)]
 
 
 build = QkNormRopePoolFusedKernel.build
