@@ -36,6 +36,16 @@ void index_buffers(KernelBinary& bin) {
   bin.n_outputs = no;
 }
 
+void* loaded_entry(const KernelBinary& bin, const std::string& entry, int device, const std::function<void*()>& load) {
+  std::lock_guard<std::mutex> lock(bin.loaded_mu);
+  for (const auto& l : bin.loaded) {
+    if (l.device == device && l.entry == entry) return l.fn;
+  }
+  void* fn = load();  // throws on failure: nothing is kept
+  bin.loaded.push_back({entry, device, fn});
+  return fn;
+}
+
 std::vector<mx::Shape> AotLaunch::output_shapes(const std::vector<mx::array>& inputs) {
   const auto& input_of = bin_->input_of;
   const auto& output_of = bin_->output_of;
@@ -353,7 +363,8 @@ void AotLaunch::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       ptrs[b] = const_cast<void*>(inputs[input_of[b]].data<void>());
     }
   }
-  CpuEntry fn = cpu_entry(*bin_, args_.entry);
+  auto fn = reinterpret_cast<CpuEntry>(
+      loaded_entry(*bin_, args_.entry, -1, [this] { return reinterpret_cast<void*>(cpu_entry(*bin_, args_.entry)); }));
   std::vector<int32_t> strides = launch_strides(*bin_, args_.entry, inputs, outputs);
   // The task owns copies of the pointers, scalars and strides; MLX's CPU eval keeps the input
   // buffers alive until the task has run.

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,20 @@ struct KernelBinary {
   int n_outputs = 0;               // buffers with role output or inplace
   std::vector<int> input_of;       // per buffer: index among the primitive's inputs, or -1
   std::vector<int> output_of;      // per buffer: index among the primitive's outputs, or -1
+
+  // Entry points loaded from this binary, per (entry, device): see loaded_entry.
+  struct Loaded {
+    std::string entry;
+    int device;
+    void* fn;
+  };
+  mutable std::mutex loaded_mu;
+  mutable std::vector<Loaded> loaded;
 };
+
+// The function of `entry` on `device` (a CUfunction, a CPU entry point): `load()` on first use, then
+// kept with the binary, so a launch neither builds a key string nor searches a global map.
+void* loaded_entry(const KernelBinary& bin, const std::string& entry, int device, const std::function<void*()>& load);
 
 // Whether `a` is lazy with the MLX primitive of this name: by name, since libmlx exports no
 // typeinfo for its primitives (the checks that take a lazy array as it is, by how it is made).

@@ -179,7 +179,9 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   prepare_outputs(inputs, outputs, [&enc](size_t n) {
     return output_buffers().malloc(n, enc.stream(), enc.device().cuda_device());
   });
-  CUfunction fn = cuda_function(*bin_, args_.entry, enc.device().cuda_device());
+  const int device = enc.device().cuda_device();
+  auto fn = static_cast<CUfunction>(
+      loaded_entry(*bin_, args_.entry, device, [&] { return static_cast<void*>(cuda_function(*bin_, args_.entry, device)); }));
   const auto& input_of = bin_->input_of;
   const auto& output_of = bin_->output_of;
   std::vector<void*> ptrs(bin_->roles.size());

@@ -2,7 +2,6 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/pair.h>
-#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -14,12 +13,27 @@ using namespace nb::literals;
 using mlx_aot::KernelBinary;
 using mlx_aot::LaunchArgs;
 
+namespace {
+
+// The Python objects own C++ shared pointers, and each launch's primitive takes a copy of them (an
+// atomic increment). nanobind's own shared_ptr<T> of a Python object would give every launch a new
+// control block whose deleter takes the GIL to drop a Python reference when MLX frees the primitive,
+// which it does inside mx.eval with the GIL released: twice per launch.
+struct BinaryHandle {
+  std::shared_ptr<const KernelBinary> bin;
+};
+struct PlanHandle {
+  std::shared_ptr<const LaunchArgs> args;
+};
+
+}  // namespace
+
 NB_MODULE(_ext, m) {
   m.doc() = "mlx-aot-kernels native launcher: runs AOT-compiled kernels as one MLX primitive";
 
-  nb::class_<KernelBinary>(m, "KernelBinary", nb::dynamic_attr())
+  nb::class_<BinaryHandle>(m, "KernelBinary", nb::dynamic_attr())
       .def("__init__",
-           [](KernelBinary* self, std::string key, std::string path, std::string target, std::vector<int> roles,
+           [](BinaryHandle* self, std::string key, std::string path, std::string target, std::vector<int> roles,
               std::vector<int> like, std::vector<int> scalar_types, std::vector<int> specialize,
               std::vector<int> strided, nb::bytes image) {
              if (image.size() == 0)
@@ -28,7 +42,7 @@ NB_MODULE(_ext, m) {
                throw std::invalid_argument("roles, like and strided differ in length");
              if (scalar_types.size() != specialize.size())
                throw std::invalid_argument("scalar_types and specialize differ in length");
-             auto* b = new (self) KernelBinary();
+             auto b = std::make_shared<KernelBinary>();
              b->key = std::move(key);
              b->path = std::move(path);
              b->image.assign(image.c_str(), image.size());
@@ -48,36 +62,38 @@ NB_MODULE(_ext, m) {
                  throw std::invalid_argument("output buffer " + std::to_string(i) + " needs `like` = an earlier input");
              }
              mlx_aot::index_buffers(*b);
+             new (self) BinaryHandle{std::move(b)};
            },
            "key"_a, "path"_a, "target"_a, "roles"_a, "like"_a, "scalar_types"_a, "specialize"_a, "strided"_a,
            "image"_a)
-      .def_ro("key", &KernelBinary::key)
-      .def_ro("path", &KernelBinary::path)
-      .def_ro("target", &KernelBinary::target);
+      .def_prop_ro("key", [](const BinaryHandle& h) { return h.bin->key; })
+      .def_prop_ro("path", [](const BinaryHandle& h) { return h.bin->path; })
+      .def_prop_ro("target", [](const BinaryHandle& h) { return h.bin->target; });
 
-  nb::class_<LaunchArgs>(m, "LaunchArgs")
+  nb::class_<PlanHandle>(m, "LaunchArgs")
       .def("__init__",
-           [](LaunchArgs* self, std::string entry, std::vector<uint32_t> scalars, std::array<int, 3> grid,
+           [](PlanHandle* self, std::string entry, std::vector<uint32_t> scalars, std::array<int, 3> grid,
               std::array<int, 3> group, std::string dtype, std::vector<std::string> buffer_dtypes,
               std::vector<std::vector<int>> input_shapes) {
              for (int i = 0; i < 3; ++i) {
                if (grid[i] < 0 || group[i] < 1)
                  throw std::invalid_argument("grid must be >= 0 and threadgroup >= 1 on every axis");
              }
-             new (self) LaunchArgs{std::move(entry), std::move(dtype), std::move(scalars), grid, group,
-                                   std::move(buffer_dtypes), std::move(input_shapes)};
+             new (self) PlanHandle{std::make_shared<const LaunchArgs>(LaunchArgs{
+                 std::move(entry), std::move(dtype), std::move(scalars), grid, group, std::move(buffer_dtypes),
+                 std::move(input_shapes)})};
            },
            "entry"_a, "scalars"_a, "grid"_a, "threadgroup"_a, "dtype"_a, "buffer_dtypes"_a,
            "input_shapes"_a = std::vector<std::vector<int>>{},
            "A launch plan: entry symbol, its dtype key, scalar bit patterns, grid (threads), threadgroup, "
            "the dtype each buffer must have and (optionally) the shape of each input array.")
-      .def_ro("entry", &LaunchArgs::entry)
-      .def_ro("dtype", &LaunchArgs::dtype);
+      .def_prop_ro("entry", [](const PlanHandle& h) { return h.args->entry; })
+      .def_prop_ro("dtype", [](const PlanHandle& h) { return h.args->dtype; });
 
   m.def(
       "launch",
-      [](nb::object py_bin, std::shared_ptr<LaunchArgs> args, nb::sequence seq, mlx::core::StreamOrDevice s) {
-        auto bin = nb::cast<std::shared_ptr<KernelBinary>>(py_bin);
+      [](nb::handle py_bin, const PlanHandle& plan, nb::sequence seq, mlx::core::StreamOrDevice s) {
+        const BinaryHandle& bin = nb::cast<const BinaryHandle&>(py_bin);
         const size_t n = nb::len(seq);
         std::vector<mlx::core::array> inputs;
         inputs.reserve(n);
@@ -90,7 +106,7 @@ NB_MODULE(_ext, m) {
           inputs.push_back(*a);  // the one copy launch() counts on
         }
         std::vector<mlx_aot::Copied> copied;
-        auto out = mlx_aot::launch(std::move(bin), std::move(args), std::move(inputs), s, &copied);
+        auto out = mlx_aot::launch(bin.bin, plan.args, std::move(inputs), s, &copied);
         // Copy-on-write is never expected in steady state: tell the binary's owner (registry/native.py).
         if (!copied.empty() && nb::hasattr(py_bin, "on_copy")) {
           for (const auto& c : copied) py_bin.attr("on_copy")(c.buffer, c.reason);

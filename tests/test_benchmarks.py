@@ -471,7 +471,9 @@ def test_node_cost_times_every_kind(capsys):
     rows = [r.split() for r in capsys.readouterr().out.splitlines()[2:]]
     assert [r[0] for r in rows] == list(node_cost.KINDS)
     for r in rows:
-        assert r[-4] == "%d/%d" % node_cost.EDGES[r[0]] and all(float(x) > 0 for x in r[-3:]), r
+        assert r[-4] == "%d/%d" % node_cost.edges(r[0]) and all(float(x) > 0 for x in r[-3:]), r
+    from registry.kernels.qk_norm_rope_pool_fused import QkNormRopePoolFusedKernel
+    assert node_cost.edges("aot_qk_norm") == (len(QkNormRopePoolFusedKernel.INPUTS), 4)
 
 
 @pytest.mark.parametrize("args, message", [(["--kinds", "aot,add"], "expected a comma-separated list of"),
