@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 from registry import envs
 from registry._version import __version__
-from registry.artifacts import (IndexEntry, build_key, check_entry, default_output_dir, dependency_files,
+from registry.artifacts import (IndexEntry, UnsafeFile, build_key, check_entry, default_output_dir, dependency_files,
                                 parse_cuda_arch, read_index, sha256_file, source_inputs, write_index)
 from registry.manifest import TARGETS, Manifest, load_manifest
 
@@ -283,7 +283,10 @@ def build_unit(unit: Unit, opts: _Options) -> UnitResult:
                                          toolchains.planned(unit.target)).commands)
         res.seconds = time.monotonic() - start
         return res
-    inputs = source_inputs(unit.spec, unit.target)
+    try:
+        inputs = source_inputs(unit.spec, unit.target)
+    except UnsafeFile as e:   # an #include of a FIFO or device, which would block the compiler
+        raise BuildError(unit.label, None, str(e), _sources(unit)) from None
     try:
         key_cmds = key_commands(unit, tc)
     except ValueError as e:
@@ -438,17 +441,22 @@ def artifact_states(manifest: Manifest, dirs: list[Path], only: list[str] | None
     units, _ = plan(manifest, list(TARGETS), _split(only) or None)
     indexes = [(d, read_index(d)) for d in dirs]
     names = {u.spec.name: u.spec for u in units}
-    slots = [u.slot for u in units]
+    slots = dict.fromkeys(u.slot for u in units)   # ordered, deduplicated in linear time
     for _, (index, _) in indexes:
-        slots += [s for s in index if s[0] in names and s[1] in names[s[0]].targets and s not in slots]
+        slots.update(dict.fromkeys(s for s in index if s[0] in names and s[1] in names[s[0]].targets))
     inputs_cache: dict[tuple[str, str], object] = {}
     out = []
     for name, target, arch in slots:
         spec = names[name]
-        current = inputs_cache.setdefault((name, target), source_inputs(spec, target))
-        why: list[str] = []
+        if (name, target) not in inputs_cache:
+            try:
+                inputs_cache[name, target] = source_inputs(spec, target)
+            except UnsafeFile as e:   # an #include of a FIFO or device: no artifact can be fresh
+                inputs_cache[name, target] = e
+        current = inputs_cache[name, target]
+        why: list[str] = [str(current)] if isinstance(current, UnsafeFile) else []
         state = None
-        for d, (index, problem) in indexes:
+        for d, (index, problem) in ([] if why else indexes):
             if problem:
                 why.append(problem)
                 continue

@@ -177,13 +177,20 @@ def dependency_files(spec: KernelSpec, target: str) -> list[Path]:
         if path in seen or not path.is_file():
             continue
         seen[path] = None
-        for quote, name in _INCLUDE.findall(path.read_text(encoding="utf-8", errors="replace")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for m in _INCLUDE.finditer(text):
+            quote, name = m.groups()
             bases = ([path.parent] if quote == '"' else []) + include_dirs
             for base in bases:
                 candidate = (base / name).resolve()
                 if candidate.is_file():
                     queue.append(candidate)
                     break
+                if candidate.exists():   # a FIFO or a device: the compiler would block on it or read it forever
+                    line = text.count("\n", 0, m.start()) + 1
+                    spelled = f'"{name}"' if quote == '"' else f"<{name}>"
+                    raise UnsafeFile(f"{path}:{line}: #include {spelled} resolves to {candidate}, which is not a "
+                                     f"regular file; include a regular header")
     return list(seen)
 
 
@@ -486,7 +493,10 @@ def lookup(spec: KernelSpec, target: str, *, arch: str | None = None) -> Lookup:
             return Lookup(None, f"cuda lookup needs the device arch: {e}")
     elif arch is not None:
         return Lookup(None, f"{target} artifacts have no arch; got arch={arch!r}")
-    current = source_inputs(spec, target)
+    try:
+        current = source_inputs(spec, target)
+    except UnsafeFile as e:
+        return Lookup(None, f"kernel {spec.name!r}: {e}")
     tried: list[str] = []
     for directory in artifact_dirs():
         index, problem = read_index(directory)

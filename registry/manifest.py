@@ -271,9 +271,13 @@ class _Problems:
         self.items.append(f"{self.path.name}:{line}: {where}{msg}")
 
 
-def _line(d: Any, key: str | None = None) -> int:
+_MAPPING = object()   # _line's key when the line wanted is the mapping's own
+
+
+def _line(d: Any, key: Any = _MAPPING) -> int:
+    """The line of `key` in mapping `d` (any key, `null` too), else of the mapping; 0 if unknown."""
     if isinstance(d, _LineDict):
-        if key is not None and key in d.key_lines:
+        if key is not _MAPPING and key in d.key_lines:
             return d.key_lines[key]
         return d.line
     return 0
@@ -291,6 +295,11 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _key(key: Any) -> str:
+    """A mapping key as the file spells it: `null` for None, else _short."""
+    return "null" if key is None else _short(key)
+
+
 def _type_name(value: Any) -> str:
     return {dict: "a mapping", _LineDict: "a mapping", list: "a list", str: "a string",
             bool: "a boolean", int: "an integer", float: "a number",
@@ -303,16 +312,17 @@ class _Checker:
         self.root = root
         self.where = where
 
-    def err(self, d: Any, key: str | None, msg: str) -> None:
+    def err(self, d: Any, key: Any, msg: str) -> None:
+        """A problem at `key`'s line in `d` (any key, `null` too; _MAPPING: the mapping's own line)."""
         self.p.add(_line(d, key), self.where, msg)
 
     def keys(self, d: dict, allowed: set[str], required: set[str], field_name: str) -> None:
         prefix = f"{field_name}: " if field_name else ""
         for k in d:
             if k not in allowed:
-                self.err(d, k, f"{prefix}unknown key {_short(k)}; allowed: {', '.join(sorted(allowed))}")
+                self.err(d, k, f"{prefix}unknown key {_key(k)}; allowed: {', '.join(sorted(allowed))}")
         for k in sorted(required - set(d)):
-            self.err(d, None, f"{prefix}missing required key {_short(k)}")
+            self.err(d, _MAPPING, f"{prefix}missing required key {_short(k)}")
 
     def typed(self, d: dict, key: str, types: tuple, expected: str, field_name: str) -> Any:
         value = d.get(key)
@@ -505,7 +515,7 @@ def _signature(c: _Checker, d: Any, parent: dict) -> SignatureSpec | None:
             c.err(b, "strided", f"{fname}.strided: only an activation input or output (no fixed dtype, not "
                                 f"inplace) is strided: in-place buffers are aliased row-contiguous")
         if role == "output" and like is None:
-            c.err(b, None, f"{fname}: an output needs `like: <input>` for its shape and dtype")
+            c.err(b, _MAPPING, f"{fname}: an output needs `like: <input>` for its shape and dtype")
         if role != "output" and like is not None:
             c.err(b, "like", f"{fname}.like: only outputs take `like`")
         if like is not None and like not in {x.name for x in buffers if x.role != "output"}:
@@ -611,7 +621,7 @@ def _kernel(problems: _Problems, root: Path, d: Any, index: int, line: int) -> K
                 problem = _entry_key_problem(dt, has_pool)
                 if problem:
                     entries_ok = False
-                    c.err(ent, dt, f"entries: {_short(dt)} {problem}")
+                    c.err(ent, dt, f"entries: {_key(dt)} {problem}")
                 elif not isinstance(sym, str) or len(sym) > MAX_SYMBOL or not _C_IDENT.match(sym):
                     entries_ok = False
                     c.err(ent, dt, f"entries.{dt}: {_short(sym)} is not a C identifier of at most "
@@ -632,7 +642,7 @@ def _kernel(problems: _Problems, root: Path, d: Any, index: int, line: int) -> K
             else:
                 targets_ok = False
     if not any(t in d for t in TARGETS):
-        c.err(d, None, f"declares no backend: give at least one of {', '.join(TARGETS)}")
+        c.err(d, _MAPPING, f"declares no backend: give at least one of {', '.join(TARGETS)}")
 
     if None in (name, attr, desc, wrapper, enable, signature) or not entries_ok or not targets_ok:
         return None

@@ -220,6 +220,26 @@ def test_fifo_manifest_does_not_hang(tmp_path):
     assert p.returncode == 1 and "not a regular file" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_an_include_of_a_fifo_is_an_error_not_a_hang(tmp_path):
+    """A source whose #include resolves to a FIFO: the compiler would block reading it. compile fails that
+    unit naming the source line, `list` shows the artifact stale with the same line, and the registry's
+    lookup says why there is no artifact; none of them hangs or raises a traceback."""
+    manifest = toy_project(tmp_path / "p", cuda=False)
+    src = manifest.parent / "src"
+    os.mkfifo(src / "evil.h")
+    (src / "toy.cpp").write_text(TOY_CPP.replace('#include "toy.h"', '#include "toy.h"\n#include "evil.h"'))
+    out = tmp_path / "out"
+    says = f'toy.cpp:2: #include "evil.h" resolves to {(src / "evil.h").resolve()}, which is not a regular file'
+    p = subprocess.run([sys.executable, "-m", "build_tools", "compile", "--manifest", str(manifest), "--target", "cpu",
+                        "--out", str(out)], cwd=PROJECT_ROOT, env=subprocess_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and says in p.stdout + p.stderr and "Traceback" not in p.stderr, p.stdout + p.stderr
+    r = run("list", "--manifest", manifest, "--out", out)
+    assert says in r.output and "stale" in r.output, r.output
+    found = artifacts.lookup(load_manifest(manifest).kernel("toy"), "cpu")
+    assert found.path is None and says in found.reason, found
+
+
 def test_requirement_bounds_at_selection_time():
     from registry.expr import compile_requirement
     ctx = dict(attention="mha", rope=None, rope_error="x", n_heads=8, n_kv_heads=2, head_dim=4000000000,

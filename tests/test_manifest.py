@@ -157,6 +157,21 @@ def test_errors_carry_line_numbers_and_all_problems(tmp_path):
         assert ("colour" in lines[line - 1]) or ("sources" in lines[line - 1] or "missing" in lines[line - 1])
 
 
+def test_a_null_key_is_reported_at_its_own_line(tmp_path):
+    """A key spelt `null` (None in Python) names its own line and reads `null`, not the mapping's line."""
+    data = copy.deepcopy(GOOD)
+    data["kernels"][0][None] = 3                       # the kernel mapping's last key
+    data["kernels"][0]["entries"][None] = "toy_x"      # entries' last key
+    path = write(tmp_path, data)
+    with pytest.raises(ManifestError) as e:
+        load_manifest(path)
+    lines = path.read_text().splitlines()
+    assert len(e.value.problems) == 2, e.value.problems
+    for problem in e.value.problems:
+        assert "null" in problem and "None" not in problem, problem
+        assert lines[int(problem.split(":")[1]) - 1].lstrip().startswith("null:"), problem
+
+
 def test_duplicate_yaml_keys_are_rejected(tmp_path):
     text = yaml.safe_dump(GOOD, sort_keys=False).replace("kernel_attr: toy\n", "kernel_attr: toy\n  kernel_attr: toy\n")
     with pytest.raises(ManifestError, match=r"kernels.yaml:\d+: .*duplicate key 'kernel_attr'"):
