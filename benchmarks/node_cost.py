@@ -60,10 +60,11 @@ def _builders(n: int, T: int):
     rope = rope_for(shape, "base")
     backend = backend_of(None)
     manifest = load_manifest()
-    qk = QkNormRopePoolFusedKernel.build(manifest.kernel(AOT_KERNELS["aot_qk_norm"]),
+    spec = lambda kind: manifest.kernel(AOT_KERNELS[kind])
+    qk = QkNormRopePoolFusedKernel.build(spec("aot_qk_norm"),
                                          QkNormRopePoolFusedKernel.context_for((rope, NORM), backend))
-    rp = RopePoolFusedKernel.build(manifest.kernel(AOT_KERNELS["aot_rope"]), RopePoolFusedKernel.context_for(rope, backend))
-    kv = KvPoolStoreKernel.build(manifest.kernel(AOT_KERNELS["aot_kv_store"]), KvPoolStoreKernel.context_for(None, backend))
+    rp = RopePoolFusedKernel.build(spec("aot_rope"), RopePoolFusedKernel.context_for(rope, backend))
+    kv = KvPoolStoreKernel.build(spec("aot_kv_store"), KvPoolStoreKernel.context_for(None, backend))
     positions, slots = device_indices(backend, 3000 + np.arange(T), np.arange(T) * 3)
     mk = lambda *s: mx.random.normal(s).astype(mx.bfloat16)
     L = [dict(q=mk(T, H, D), k=mk(T, Hkv, D), v=mk(T, Hkv, D), w=1 + 0.1 * mk(D),

@@ -180,8 +180,8 @@ void AotLaunch::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     return output_buffers().malloc(n, enc.stream(), enc.device().cuda_device());
   });
   const int device = enc.device().cuda_device();
-  auto fn = static_cast<CUfunction>(
-      loaded_entry(*bin_, args_.entry, device, [&] { return static_cast<void*>(cuda_function(*bin_, args_.entry, device)); }));
+  auto load = [&] { return static_cast<void*>(cuda_function(*bin_, args_.entry, device)); };
+  auto fn = static_cast<CUfunction>(loaded_entry(*bin_, args_.entry, device, load));
   const auto& input_of = bin_->input_of;
   const auto& output_of = bin_->output_of;
   std::vector<void*> ptrs(bin_->roles.size());

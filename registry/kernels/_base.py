@@ -259,7 +259,8 @@ class DerivedArray:
         if hit is None:
             if len(self._entries) >= self.limit:
                 self._entries.clear()
-            hit = self._entries[key] = ([mx.array(a) for a in arrays], self.make(*arrays))  # mx.array(a): a's descriptor
+            held = [mx.array(a) for a in arrays]    # mx.array(a) shares a's descriptor: it holds the id
+            hit = self._entries[key] = (held, self.make(*arrays))
         return hit[1]
 
 
