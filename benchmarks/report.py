@@ -125,7 +125,7 @@ _CELL_FIELDS = ("shape", "tokens", "dtype", "variant", "implementation", "us_per
 
 def _read_doc(path: Path, made_by: str) -> dict:
     """The document of a --json file, checked to hold 'info' and a 'cells' list."""
-    if not Path(path).is_file():   # a FIFO or a device would block the read (or never end)
+    if Path(path).exists() and not Path(path).is_file():   # a FIFO or a device would block the read
         raise ValueError(f"{path}: not a regular file")
     try:
         data = json.loads(Path(path).read_text())

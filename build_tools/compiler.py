@@ -454,9 +454,10 @@ def artifact_states(manifest: Manifest, dirs: list[Path], only: list[str] | None
             except UnsafeFile as e:   # an #include of a FIFO or device: no artifact can be fresh
                 inputs_cache[name, target] = e
         current = inputs_cache[name, target]
-        why: list[str] = [str(current)] if isinstance(current, UnsafeFile) else []
+        unsafe = isinstance(current, UnsafeFile)
+        why: list[str] = [str(current)] if unsafe else []
         state = None
-        for d, (index, problem) in ([] if why else indexes):
+        for d, (index, problem) in ([] if unsafe else indexes):
             if problem:
                 why.append(problem)
                 continue
