@@ -13,6 +13,7 @@ sizes). docs/benchmarks/e2e-root-cause.md, section 15.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import mlx.core as mx
 import numpy as np
@@ -26,14 +27,18 @@ AOT_KERNELS = dict(aot_qk_norm="qk_norm_rope_pool_fused", aot_rope="rope_pool_fu
 MLX_EDGES = dict(rms_norm=(2, 1), rope=(2, 1), scatter=(3, 1), add=(2, 1))
 
 
-def edges(kind: str) -> tuple[int, int]:
-    """(inputs, outputs) of a kind's node: MLX's host cost per node grows with them."""
-    if kind in MLX_EDGES:
-        return MLX_EDGES[kind]
+@functools.lru_cache(maxsize=None)
+def _aot_edges() -> dict[str, tuple[int, int]]:
     from registry.manifest import load_manifest
 
-    sig = load_manifest().kernel(AOT_KERNELS[kind]).signature
-    return len(sig.inputs), len(sig.outputs)
+    manifest = load_manifest()   # once for every AOT kind
+    sigs = {kind: manifest.kernel(name).signature for kind, name in AOT_KERNELS.items()}
+    return {kind: (len(sig.inputs), len(sig.outputs)) for kind, sig in sigs.items()}
+
+
+def edges(kind: str) -> tuple[int, int]:
+    """(inputs, outputs) of a kind's node: MLX's host cost per node grows with them."""
+    return MLX_EDGES[kind] if kind in MLX_EDGES else _aot_edges()[kind]
 
 
 def _kind_list(text: str) -> list[str]:

@@ -122,12 +122,8 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const bool trad = p.traditional != 0;
 
   const int slot = is_q ? -1 : slots[t];
-  // Never out of bounds (nor a division by zero rows).
-  const bool write = !is_q && slot >= 0 && slot < p.pool_size && (p.pool_layout == 0 || p.pool_rows > 0);
-
   const bool rotary = u < rot_units;
   int off_a, off_b = 0;
-  float c[W], s[W];
   if (rotary) {
     if (trad) {
       off_a = 2 * u * W;
@@ -136,9 +132,6 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
       off_a = u * W;
       off_b = half + u * W;
     }
-    const float pos = static_cast<float>(positions[t]) * p.pos_scale;
-#pragma unroll
-    for (int j = 0; j < W; ++j) sincosf(pos * inv_freq[u * W + j], &s[j], &c[j]);
   } else {
     off_a = p.rotary_dims + (u - rot_units) * W;
   }
@@ -156,25 +149,47 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const long long out_a = fa * out_step, out_b = fb * out_step;
   const long long v_a = fa * v_step, v_b = fb * v_step;
 
+  // The first head's units (and its v, for a k thread: any v row of the launch is in bounds) are
+  // loaded before the position is used, so their latency overlaps the index loads and the cos/sin
+  // instead of following them: at decode sizes (one head per thread) that is the kernel's time.
+  const T* in0 = in_base + act_row(t, h0, in_st, p.act_layout, p.seq_len);
+  const T* v0 = v + (is_q ? 0 : act_row(t, h0, st.v, p.act_layout, p.seq_len));
+  V a0 = load_unit<T, W>(in0 + in_a, in_step, in_vec), b0{}, va0{}, vb0{};
+  if (rotary) b0 = load_unit<T, W>(in0 + in_b, in_step, in_vec);
+  if (!is_q) {
+    va0 = load_unit<T, W>(v0 + v_a, v_step, v_vec);
+    if (rotary) vb0 = load_unit<T, W>(v0 + v_b, v_step, v_vec);
+  }
+
+  // Never out of bounds (nor a division by zero rows).
+  const bool write = !is_q && slot >= 0 && slot < p.pool_size && (p.pool_layout == 0 || p.pool_rows > 0);
+  float c[W], s[W];
+  if (rotary) {
+    const float pos = static_cast<float>(positions[t]) * p.pos_scale;
+#pragma unroll
+    for (int j = 0; j < W; ++j) sincosf(pos * inv_freq[u * W + j], &s[j], &c[j]);
+  }
+
   for (int h = h0; h < h1; ++h) {
-    const T* in = in_base + act_row(t, h, in_st, p.act_layout, p.seq_len);
+    const bool first = h == h0;
+    const T* in = first ? in0 : in_base + act_row(t, h, in_st, p.act_layout, p.seq_len);
     T* out = out_base + act_row(t, h, out_st, p.act_layout, p.seq_len);
-    const T* vr = write ? v + act_row(t, h, st.v, p.act_layout, p.seq_len) : v;
+    const T* vr = first || !write ? v0 : v + act_row(t, h, st.v, p.act_layout, p.seq_len);
     const long long dst = write ? pool_offset(slot, h, p) : 0;
-    V a = load_unit<T, W>(in + in_a, in_step, in_vec);
+    V a = first ? a0 : load_unit<T, W>(in + in_a, in_step, in_vec);
     if (rotary) {
-      V b = load_unit<T, W>(in + in_b, in_step, in_vec);
+      V b = first ? b0 : load_unit<T, W>(in + in_b, in_step, in_vec);
       rotate_unit<T, W>(a, b, c, s, trad, p.mscale);
       store_unit<T, W>(out + out_b, out_step, out_vec, b);
       if (write) {
         store_pool<P>(k_pool + dst + off_b, b);
-        store_pool<P>(v_pool + dst + off_b, load_unit<T, W>(vr + v_b, v_step, v_vec));
+        store_pool<P>(v_pool + dst + off_b, first ? vb0 : load_unit<T, W>(vr + v_b, v_step, v_vec));
       }
     }
     store_unit<T, W>(out + out_a, out_step, out_vec, a);
     if (write) {
       store_pool<P>(k_pool + dst + off_a, a);
-      store_pool<P>(v_pool + dst + off_a, load_unit<T, W>(vr + v_a, v_step, v_vec));
+      store_pool<P>(v_pool + dst + off_a, first ? va0 : load_unit<T, W>(vr + v_a, v_step, v_vec));
     }
   }
 }

@@ -6,18 +6,21 @@
 #   bash tests/gpu/run_on_host.sh --build-only   # extension + artifacts only
 #   bash tests/gpu/run_on_host.sh [pytest args]  # the native tests and tests/gpu, plus any args
 # Logs, junit.xml and summary.txt go to $OUT when set (else /tmp). MLX_AOT_COMMIT names the commit
-# in the summary when the tree has no .git.
+# in the summary when the tree has no .git. MLX_AOT_BUILD_DIR is the extension's cmake build directory
+# (default /tmp/mlx_aot_build): one per tree when several trees are built on one host
+# (benchmarks/micro_ab.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="/usr/local/cuda/bin:$PATH" PYTHONUNBUFFERED=1
 log="${OUT:-/tmp}"
 commit="${MLX_AOT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+build="${MLX_AOT_BUILD_DIR:-/tmp/mlx_aot_build}"
 echo "== $(date -u +%FT%TZ) commit $commit"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())'
-cmake -S csrc -B /tmp/mlx_aot_build -DPython_EXECUTABLE="$(command -v python3)" \
+cmake -S csrc -B "$build" -DPython_EXECUTABLE="$(command -v python3)" \
       -DMLX_AOT_OUTPUT_DIR="$PWD/registry" -DMLX_AOT_BACKEND=cuda -DCMAKE_BUILD_TYPE=Release >"$log/cmake.log" 2>&1 \
-  && cmake --build /tmp/mlx_aot_build --parallel 16 >>"$log/cmake.log" 2>&1 || { tail -40 "$log/cmake.log"; exit 1; }
+  && cmake --build "$build" --parallel 16 >>"$log/cmake.log" 2>&1 || { tail -40 "$log/cmake.log"; exit 1; }
 arch=$(python3 -c 'import registry._ext as e; print(e.cuda_device_arch(0))')
 echo "ext: cuda $(python3 -c 'import registry._ext as e; print(e.built_with_cuda())') $arch"
 python3 -m build_tools compile --target cuda --arch "$arch"
