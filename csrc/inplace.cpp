@@ -69,17 +69,32 @@ bool is_inplace_output_of_launch(const mx::array& a) {
 }
 
 // A lazy array whose evaluation allocates a new row-contiguous buffer that only it holds, on every
-// backend (MLX 0.32.4: Concatenate always mallocs its output; Full copies a one-element value as a
-// Scalar copy into a fresh buffer): mx.concatenate and mx.zeros / mx.full(shape, scalar), what the
-// caches grow their buffers with. Such a buffer can be taken without computing it first: only array
-// objects and pending ops (its descriptor's owners) could ever reach it.
-bool fresh_by_construction(const mx::array& a) {
-  if (is_primitive(a, "Concatenate")) return true;
+// backend (MLX 0.32.4: Concatenate, Gather and GatherAxis always malloc their output; Full copies a
+// one-element value as a Scalar copy into a fresh buffer): mx.concatenate, mx.zeros / mx.full(shape,
+// scalar), a[indices] and mx.take_along_axis, what the caches grow, filter and roll their buffers
+// with. Such a buffer can be taken without computing it first: only array objects and pending ops (its
+// descriptor's owners) could ever reach it.
+bool allocates_fresh(const mx::array& a) {
+  if (is_primitive(a, "Concatenate") || is_primitive(a, "Gather") || is_primitive(a, "GatherAxis")) return true;
   if (!is_primitive(a, "Full") || a.inputs().size() != 1) return false;
   const mx::array& value = a.inputs()[0];   // broadcast_to(scalar) for mx.zeros / mx.full(shape, x)
   if (!value.has_primitive()) return value.data_size() == 1;
   return value.size() == 1 ||
          (is_primitive(value, "Broadcast") && value.inputs().size() == 1 && value.inputs()[0].size() == 1);
+}
+
+// allocates_fresh, or Squeezes / Reshapes of such an array that nothing else refers to (a[indices] is
+// Squeeze(Gather), x.reshape(...) of it a Reshape over that): each view's buffer is then the fresh
+// one, row-contiguous, reached only through it.
+bool fresh_by_construction(const mx::array& a) {
+  const mx::array* x = &a;
+  for (int depth = 0; depth < 4 && (is_primitive(*x, "Squeeze") || is_primitive(*x, "Reshape")); ++depth) {
+    if (x->inputs().size() != 1) return false;
+    const mx::array& in = x->inputs()[0];
+    if (in.status() != mx::array::Status::unscheduled || desc_owners(in) != 1) return false;
+    x = &in;
+  }
+  return allocates_fresh(*x);
 }
 
 }  // namespace

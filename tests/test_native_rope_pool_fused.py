@@ -461,19 +461,26 @@ def test_launcher_argument_errors(native_artifacts):
                       grid=(1, 1, 1), threadgroup=(0, 1, 1))
 
 
-@pytest.mark.parametrize("make", ["zeros", "full", "concatenate"])
+@pytest.mark.parametrize("make", ["zeros", "full", "concatenate", "index", "take_along_axis", "reshape"])
 def test_a_fresh_lazy_pool_is_written_in_place_without_a_wait(native_artifacts, make):
     """A pool not computed yet whose evaluation allocates a buffer only it holds (mx.zeros,
-    mx.full(shape, scalar), mx.concatenate: what the caches grow their buffers with) is taken in
-    place as it is: no wait, no first-use check, no copy, and every later call writes the same buffer."""
+    mx.full(shape, scalar), mx.concatenate: what the caches grow their buffers with; pool[indices] and
+    mx.take_along_axis: mlx-lm's batch filter and roll; a reshape of one of them) is taken in place as
+    it is: no wait, no first-use check, no copy, and every later call writes the same buffer."""
     from registry import native
     kernel = native_kernel(RopeConfig(64))
     q, k, v, pos, slots, _, _ = make_case(2, 4, 2, 64, 8, "float32", [0, 1])
     mx.eval(q, k, v, pos, slots)
     half = mx.zeros((4, 2, 64))
     mx.eval(half)
+    big = mx.zeros((16, 2, 64))
+    mx.eval(big)
+    rows = mx.arange(8, dtype=mx.int32)[:, None, None]
     fresh = {"zeros": lambda: mx.zeros((8, 2, 64)), "full": lambda: mx.full((8, 2, 64), 0.0),
-             "concatenate": lambda: mx.concatenate([half, half])}[make]
+             "concatenate": lambda: mx.concatenate([half, half]),
+             "index": lambda: big[[1, 3, 5, 7, 9, 11, 13, 15]],                  # Squeeze(Gather)
+             "take_along_axis": lambda: mx.take_along_axis(big, mx.broadcast_to(rows, (8, 2, 64)), axis=0),
+             "reshape": lambda: mx.take(big.reshape(-1), mx.arange(8 * 2 * 64)).reshape(8, 2, 64)}[make]
     before = native.stats()
     _, _, kp, vp = kernel(q, k, v, pos, slots, fresh(), fresh())
     assert native.stats()["syncs"] == before["syncs"]            # decided before anything ran
@@ -500,6 +507,13 @@ def test_other_lazy_pools_are_computed_first_or_copied(native_artifacts):
     assert after["syncs"] - before["syncs"] >= 2 and after["first_use_checks"] - before["first_use_checks"] == 2
     assert after["copies"] == before["copies"]
     np.testing.assert_array_equal(np.array(kp[2:]), np.ones((6, 2, 64), np.float32))
+    big = mx.ones((16, 2, 64))
+    gathered = mx.take(big, mx.arange(8), axis=0)    # held here too: its view is not fresh
+    _, _, kp3, _ = kernel(q, k, v, pos, slots, gathered.reshape(8, 2, 64), mx.zeros((8, 2, 64)))
+    mx.eval(kp3, gathered)
+    assert native.stats()["copies"] == after["copies"] + 1
+    np.testing.assert_array_equal(np.array(gathered), np.ones((8, 2, 64), np.float32))
+    after = native.stats()
     pool = mx.zeros((8, 2, 64))
     reader = pool * 2                                # pending: reads the old (zero) contents
     _, _, kp2, _ = kernel(q, k, v, pos, slots, pool, mx.zeros((8, 2, 64)))
