@@ -16,8 +16,10 @@ cd "$(dirname "$0")/.."
 export PATH="/usr/local/cuda/bin:$PATH"
 build() {  # build TREE NAME: registry._ext and the kernels, unless the tree has them
   (cd "$1" && python3 -c 'import registry._ext' 2>/dev/null) && return 0
-  # The tree's own recipe, in a build directory of its own (a tree whose run_on_host.sh predates
-  # MLX_AOT_BUILD_DIR builds in its default, /tmp/mlx_aot_build, which neither name here uses).
+  # The tree's own recipe, in a build directory of its own. A tree whose run_on_host.sh predates
+  # MLX_AOT_BUILD_DIR builds in /tmp/mlx_aot_build, where this tree's suite may have left a CMake
+  # cache of another source directory, which stops cmake: that directory goes first.
+  grep -q MLX_AOT_BUILD_DIR "$1/tests/gpu/run_on_host.sh" 2>/dev/null || rm -rf /tmp/mlx_aot_build
   (cd "$1" && MLX_AOT_BUILD_DIR="/tmp/mlx_aot_ab_$2" bash tests/gpu/run_on_host.sh --build-only \
      >"/tmp/mlx_aot_ab_$2.log" 2>&1) || { tail -20 "/tmp/mlx_aot_ab_$2.log"; echo "$0: building $1 failed" >&2; exit 1; }
 }
