@@ -121,8 +121,11 @@ InplaceDecision decide_inplace(const std::vector<mx::array>& inputs, int i, mx::
 // At evaluation: the pool buffer is now the launcher's (later calls need no first-use check).
 void record_inplace_write(const mx::array& pool);
 void count_launch(int aliased, int copies);
+// A fresh output allocated on the device (malloc) or a device buffer of one freed: the CUDA
+// launcher's free list missed or evicted (aot_launch_cuda.cpp).
+void count_output_buffer(bool malloc);
 struct InplaceStats {
-  uint64_t launches, aliased, copies, first_use_checks, syncs;
+  uint64_t launches, aliased, copies, first_use_checks, syncs, output_mallocs, output_frees;
   size_t owned_pools;  // live buffers the launcher has written in place
 };
 InplaceStats inplace_stats();

@@ -6,6 +6,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <deque>
+#include <iterator>
+#include <list>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -60,7 +63,9 @@ CUfunction cuda_function(const KernelBinary& bin, const std::string& entry, int 
 // cu::malloc_async, which libmlx does not export. mx::allocator::malloc gives managed memory instead,
 // and when its cache hands back a device buffer it first copies it to managed memory with a
 // synchronous cudaMemcpy. A freed output goes to a free list per (stream, size) for the next launch on
-// that stream, which stream order makes safe (as for MLX's own cache), up to kCachedBytes in all.
+// that stream, which stream order makes safe (as for MLX's own cache). The list keeps at most
+// kCachedBytes and evicts the buffers given back longest ago, so after a large prefill it comes to
+// hold the decode sizes instead of keeping the prefill's buffers and missing on every decode output.
 // Frees go to a stream of their own, as MLX's allocator's do: a free enqueued on the compute stream
 // while MLX captures an op there (cuBLAS, cuDNN) would land in the captured graph, which MLX then
 // cannot add as a child node. MLX's memory counters do not see these buffers.
@@ -70,6 +75,7 @@ class OutputBuffers {
     const size_t size = (nbytes + 255) / 256 * 256;
     mx::cu::CudaBuffer* buf = take(stream, size, device);
     if (buf == nullptr) {
+      count_output_buffer(/*malloc=*/true);
       void* p = nullptr;
       cudaError_t e = cudaMallocAsync(&p, size, stream);
       if (e != cudaSuccess) {  // out of memory: give the cached buffers back and try once more
@@ -92,6 +98,11 @@ class OutputBuffers {
  private:
   static constexpr size_t kCachedBytes = size_t{256} << 20;
   using Key = std::pair<cudaStream_t, size_t>;
+  struct Cached {
+    Key key;
+    mx::cu::CudaBuffer* buf;
+  };
+  using Age = std::list<Cached>::iterator;
 
   // Under mu_, on the thread that launches, with the device current (the first launch on each device).
   void make_free_stream(int device) {
@@ -108,23 +119,34 @@ class OutputBuffers {
 
   // Under mu_. Every buffer's device got its stream when the buffer was allocated.
   void free_device_buffer(mx::cu::CudaBuffer* buf) {
+    count_output_buffer(/*malloc=*/false);
     auto it = free_streams_.find(buf->device);
     it != free_streams_.end() ? cudaFreeAsync(buf->data, it->second) : cudaFree(buf->data);
     cudaGetLastError();
     delete buf;
   }
 
-  // A cached buffer of `size` for `stream`, or nullptr; first makes the device's free stream, under
-  // the same lock (one per launch output).
+  // Under mu_: takes the newest or the oldest entry of a key out of its list and of the age order;
+  // returns its buffer.
+  mx::cu::CudaBuffer* unlink(std::map<Key, std::deque<Age>>::iterator it, bool newest) {
+    auto& same = it->second;
+    const Age entry = newest ? same.back() : same.front();
+    newest ? same.pop_back() : same.pop_front();
+    mx::cu::CudaBuffer* buf = entry->buf;
+    if (same.empty()) free_.erase(it);
+    by_age_.erase(entry);
+    cached_ -= buf->size;
+    return buf;
+  }
+
+  // A cached buffer of `size` for `stream` (the one given back last), or nullptr; first makes the
+  // device's free stream, under the same lock (one per launch output).
   mx::cu::CudaBuffer* take(cudaStream_t stream, size_t size, int device) {
     std::lock_guard<std::mutex> lock(mu_);
     make_free_stream(device);
     auto it = free_.find({stream, size});
-    if (it == free_.end() || it->second.empty()) return nullptr;
-    mx::cu::CudaBuffer* buf = it->second.back();
-    it->second.pop_back();
-    cached_ -= size;
-    return buf;
+    if (it == free_.end()) return nullptr;
+    return unlink(it, /*newest=*/true);
   }
 
   // Runs wherever MLX drops the array's data (often its completion thread): never throws.
@@ -138,26 +160,32 @@ class OutputBuffers {
       return;
     }
     std::lock_guard<std::mutex> lock(mu_);
-    if (cached_ + buf->size <= kCachedBytes) {
-      free_[{stream, buf->size}].push_back(buf);
-      cached_ += buf->size;
+    if (buf->size > kCachedBytes) {
+      free_device_buffer(buf);
       return;
     }
-    free_device_buffer(buf);
+    while (cached_ + buf->size > kCachedBytes) {  // evict the oldest first
+      // The oldest entry of all is the oldest of its key.
+      free_device_buffer(unlink(free_.find(by_age_.front().key), /*newest=*/false));
+    }
+    const Key key{stream, buf->size};
+    by_age_.push_back({key, buf});
+    free_[key].push_back(std::prev(by_age_.end()));
+    cached_ += buf->size;
   }
 
   void release_all() {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [key, bufs] : free_) {
-      for (auto* buf : bufs) free_device_buffer(buf);
-    }
+    for (auto& entry : by_age_) free_device_buffer(entry.buf);
+    by_age_.clear();
     free_.clear();
     cached_ = 0;
   }
 
   std::mutex mu_;
-  std::map<Key, std::vector<mx::cu::CudaBuffer*>> free_;
-  std::map<int, cudaStream_t> free_streams_;  // per device; intentionally never destroyed
+  std::list<Cached> by_age_;                   // every cached buffer, given back longest ago first
+  std::map<Key, std::deque<Age>> free_;        // the same entries per key, in the same order
+  std::map<int, cudaStream_t> free_streams_;   // per device; intentionally never destroyed
   size_t cached_ = 0;
 };
 

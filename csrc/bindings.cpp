@@ -157,6 +157,8 @@ NB_MODULE(_ext, m) {
         d["copies"] = st.copies;
         d["first_use_checks"] = st.first_use_checks;
         d["syncs"] = st.syncs;
+        d["output_mallocs"] = st.output_mallocs;
+        d["output_frees"] = st.output_frees;
         d["owned_pools"] = st.owned_pools;
         return d;
       },

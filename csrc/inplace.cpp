@@ -47,7 +47,8 @@ std::mutex owned_mu;
 // Intentionally leaked: must outlive any array freed at process exit.
 auto& owned = *new std::unordered_map<const void*, Owned>();
 
-std::atomic<uint64_t> n_launches{0}, n_aliased{0}, n_copies{0}, n_first_checks{0}, n_syncs{0};
+std::atomic<uint64_t> n_launches{0}, n_aliased{0}, n_copies{0}, n_first_checks{0}, n_syncs{0}, n_mallocs{0},
+    n_frees{0};
 
 bool owned_by_launcher(const mx::array& a) {
   std::lock_guard<std::mutex> lock(owned_mu);
@@ -158,17 +159,20 @@ void count_launch(int aliased, int copies) {
   n_copies += copies;
 }
 
+void count_output_buffer(bool malloc) { malloc ? n_mallocs++ : n_frees++; }
+
 InplaceStats inplace_stats() {
   size_t live = 0;
   {
     std::lock_guard<std::mutex> lock(owned_mu);
     for (const auto& [key, entry] : owned) live += entry.data.expired() ? 0 : 1;
   }
-  return {n_launches.load(), n_aliased.load(), n_copies.load(), n_first_checks.load(), n_syncs.load(), live};
+  return {n_launches.load(), n_aliased.load(), n_copies.load(), n_first_checks.load(), n_syncs.load(),
+          n_mallocs.load(), n_frees.load(), live};
 }
 
 void reset_inplace_stats() {
-  n_launches = n_aliased = n_copies = n_first_checks = n_syncs = 0;
+  n_launches = n_aliased = n_copies = n_first_checks = n_syncs = n_mallocs = n_frees = 0;
 }
 
 std::pair<long, long> owner_counts(const mx::array& a) {

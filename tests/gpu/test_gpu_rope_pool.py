@@ -100,3 +100,33 @@ def test_output_frees_beyond_the_cache_while_mlx_captures(native_artifacts):
             acc = (acc @ a) * (1 / 512)
             mx.eval(acc)
         assert float(acc[0, 0].item()) == pytest.approx(1.0), f"iteration {it}"
+
+
+def test_the_output_free_list_keeps_the_sizes_in_use(native_artifacts):
+    """After a prefill's outputs have filled the launcher's free list (256 MiB), decode-sized outputs
+    still come from it: a full list frees the buffers given back longest ago. A list that kept its
+    first buffers allocated (cudaMallocAsync) and freed every decode output from then on."""
+    from registry import native
+
+    if mx.default_device() != mx.gpu or not native.import_ext().built_with_cuda():
+        pytest.skip("CUDA only: other backends' outputs come from MLX's allocator")
+    rope = RopeConfig(128, base=1e4)
+    kernel = native_kernel(rope)
+
+    def launches(T, n):
+        q = mx.zeros((T, 8, 128), dtype=mx.bfloat16)          # q and k of one size: T * 2 KiB each
+        pos = mx.arange(T, dtype=mx.int32)
+        kp, vp = mx.zeros((T, 8, 128), dtype=mx.bfloat16), mx.zeros((T, 8, 128), dtype=mx.bfloat16)
+        mx.eval(q, pos, kp, vp)
+        for _ in range(n):
+            q_rot, k_rot, kp, vp = kernel(q, q, q, pos, pos, kp, vp, check_slots=False)
+            mx.eval(q_rot, k_rot)
+            del q_rot, k_rot
+        mx.synchronize()
+
+    launches(8192, 10)            # 20 outputs of 16 MiB given back: the list is full to the byte
+    native.reset_stats()
+    launches(4, 100)              # 200 decode-sized outputs
+    st = native.stats()
+    assert st["output_mallocs"] <= 8, st      # a few while the first ones are still in flight
+    assert st["output_frees"] <= st["output_mallocs"], st
