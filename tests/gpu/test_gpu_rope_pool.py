@@ -105,7 +105,7 @@ def test_output_frees_beyond_the_cache_while_mlx_captures(native_artifacts):
 def test_the_output_free_list_keeps_the_sizes_in_use(native_artifacts):
     """After a prefill's outputs have filled the launcher's free list (256 MiB), decode-sized outputs
     still come from it: a full list frees the buffers given back longest ago. A list that kept its
-    first buffers allocated (cudaMallocAsync) and freed every decode output from then on."""
+    first buffers allocated every decode output anew (cudaMallocAsync) and freed it again."""
     from registry import native
 
     if mx.default_device() != mx.gpu or not native.import_ext().built_with_cuda():
@@ -113,20 +113,28 @@ def test_the_output_free_list_keeps_the_sizes_in_use(native_artifacts):
     rope = RopeConfig(128, base=1e4)
     kernel = native_kernel(rope)
 
-    def launches(T, n):
+    def inputs(T):
         q = mx.zeros((T, 8, 128), dtype=mx.bfloat16)          # q and k of one size: T * 2 KiB each
         pos = mx.arange(T, dtype=mx.int32)
         kp, vp = mx.zeros((T, 8, 128), dtype=mx.bfloat16), mx.zeros((T, 8, 128), dtype=mx.bfloat16)
         mx.eval(q, pos, kp, vp)
-        for _ in range(n):
-            q_rot, k_rot, kp, vp = kernel(q, q, q, pos, pos, kp, vp, check_slots=False)
-            mx.eval(q_rot, k_rot)
-            del q_rot, k_rot
-        mx.synchronize()
+        return q, pos, kp, vp
 
-    launches(8192, 10)            # 20 outputs of 16 MiB given back: the list is full to the byte
+    q, pos, kp, vp = inputs(8192)
+    prefill = []
+    for _ in range(10):           # 20 outputs of 16 MiB alive together, then given back: the list is full
+        q_rot, k_rot, kp, vp = kernel(q, q, q, pos, pos, kp, vp, check_slots=False)
+        prefill += [q_rot, k_rot]
+    mx.eval(prefill)
+    del prefill, q_rot, k_rot, q, kp, vp
+    mx.synchronize()
+    q, pos, kp, vp = inputs(4)
     native.reset_stats()
-    launches(4, 100)              # 200 decode-sized outputs
+    for _ in range(100):          # 200 decode-sized outputs, each dropped after its step
+        q_rot, k_rot, kp, vp = kernel(q, q, q, pos, pos, kp, vp, check_slots=False)
+        mx.eval(q_rot, k_rot)
+        del q_rot, k_rot
+    mx.synchronize()
     st = native.stats()
-    assert st["output_mallocs"] <= 8, st      # a few while the first ones are still in flight
-    assert st["output_frees"] <= st["output_mallocs"], st
+    # A few are allocated while the first ones are still in flight (MLX releases them when it likes).
+    assert st["output_mallocs"] <= 50 and st["output_frees"] <= 50, st
