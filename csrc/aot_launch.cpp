@@ -315,14 +315,11 @@ void* dlopen_image(const KernelBinary& bin, std::string& error) {
   return lib;
 }
 
+// Once per (binary, entry): loaded_entry keeps what it returns.
 CpuEntry cpu_entry(const KernelBinary& bin, const std::string& entry) {
   static std::mutex mu;
   static std::unordered_map<std::string, void*> libs;  // by content key; intentionally never closed
-  static std::unordered_map<std::string, CpuEntry> fns;
   std::lock_guard<std::mutex> lock(mu);
-  const std::string key = bin.key + "\n" + entry;
-  auto it = fns.find(key);
-  if (it != fns.end()) return it->second;
   void*& lib = libs[bin.key];
   if (lib == nullptr) {
     std::string err;
@@ -338,7 +335,6 @@ CpuEntry cpu_entry(const KernelBinary& bin, const std::string& entry) {
   if (fn == nullptr) {
     throw std::runtime_error("[mlx_aot] " + bin.path + " has no entry " + entry);
   }
-  fns[key] = fn;
   return fn;
 }
 

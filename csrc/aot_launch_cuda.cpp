@@ -31,14 +31,12 @@ void check(CUresult r, const std::string& what) {
   }
 }
 
+// Once per (binary, entry, device): loaded_entry keeps what it returns.
 CUfunction cuda_function(const KernelBinary& bin, const std::string& entry, int device) {
   static std::mutex mu;
   static std::unordered_map<std::string, CUmodule> modules;   // intentionally never unloaded
-  static std::unordered_map<std::string, CUfunction> functions;
   std::lock_guard<std::mutex> lock(mu);
   const std::string mkey = bin.key + "\n" + std::to_string(device);
-  const std::string fkey = mkey + "\n" + entry;
-  if (auto it = functions.find(fkey); it != functions.end()) return it->second;
   CUmodule& mod = modules[mkey];
   if (mod == nullptr) {
     // The bytes registry/artifacts.py verified, never the file again. std::string keeps a NUL after
@@ -55,7 +53,6 @@ CUfunction cuda_function(const KernelBinary& bin, const std::string& entry, int 
   }
   CUfunction fn = nullptr;
   check(cuModuleGetFunction(&fn, mod, entry.c_str()), "cuModuleGetFunction(" + entry + " in " + bin.path + ")");
-  functions[fkey] = fn;
   return fn;
 }
 
