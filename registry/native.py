@@ -173,8 +173,9 @@ def stats() -> dict[str, int]:
     - `syncs`: host waits: a first-use check after in-flight work, or computing a lazy pool;
     - `output_mallocs`, `output_frees` (CUDA; 0 elsewhere, where MLX's allocator serves the outputs):
       fresh outputs allocated with cudaMallocAsync because the launcher's free list had no buffer of
-      that size for the stream, and device buffers freed because the list was full (it keeps
-      256 MiB, evicting the buffers given back longest ago);
+      that size for the stream, and device buffers freed: evicted from a full list (it keeps
+      256 MiB, evicting the buffers given back longest ago), larger than it, or all of it given
+      back when an allocation ran out of memory;
     - `owned_pools`: live pool buffers the launcher has written in place.
     """
     return dict(import_ext().stats())
