@@ -28,17 +28,20 @@ MLX_EDGES = dict(rms_norm=(2, 1), rope=(2, 1), scatter=(3, 1), add=(2, 1))
 
 
 @functools.lru_cache(maxsize=None)
-def _aot_edges() -> dict[str, tuple[int, int]]:
+def _specs() -> dict:
+    """The manifest's spec of every AOT kind, the manifest read once (edges and _builders)."""
     from registry.manifest import load_manifest
 
-    manifest = load_manifest()   # once for every AOT kind
-    sigs = {kind: manifest.kernel(name).signature for kind, name in AOT_KERNELS.items()}
-    return {kind: (len(sig.inputs), len(sig.outputs)) for kind, sig in sigs.items()}
+    manifest = load_manifest()
+    return {kind: manifest.kernel(name) for kind, name in AOT_KERNELS.items()}
 
 
 def edges(kind: str) -> tuple[int, int]:
     """(inputs, outputs) of a kind's node: MLX's host cost per node grows with them."""
-    return MLX_EDGES[kind] if kind in MLX_EDGES else _aot_edges()[kind]
+    if kind in MLX_EDGES:
+        return MLX_EDGES[kind]
+    sig = _specs()[kind].signature
+    return len(sig.inputs), len(sig.outputs)
 
 
 def _kind_list(text: str) -> list[str]:
@@ -54,7 +57,6 @@ def _builders(n: int, T: int):
     from registry.kernels.kv_pool_store import KvPoolStoreKernel
     from registry.kernels.qk_norm_rope_pool_fused import QkNormRopePoolFusedKernel
     from registry.kernels.rope_pool_fused import RopePoolFusedKernel
-    from registry.manifest import load_manifest
     from registry.native import device_indices
 
     from .cases import rope_for
@@ -64,12 +66,11 @@ def _builders(n: int, T: int):
     H, Hkv, D, S = shape.n_q_heads, shape.n_kv_heads, shape.head_dim, 4 * T + 64
     rope = rope_for(shape, "base")
     backend = backend_of(None)
-    manifest = load_manifest()
-    spec = lambda kind: manifest.kernel(AOT_KERNELS[kind])
-    qk = QkNormRopePoolFusedKernel.build(spec("aot_qk_norm"),
+    spec = _specs()
+    qk = QkNormRopePoolFusedKernel.build(spec["aot_qk_norm"],
                                          QkNormRopePoolFusedKernel.context_for((rope, NORM), backend))
-    rp = RopePoolFusedKernel.build(spec("aot_rope"), RopePoolFusedKernel.context_for(rope, backend))
-    kv = KvPoolStoreKernel.build(spec("aot_kv_store"), KvPoolStoreKernel.context_for(None, backend))
+    rp = RopePoolFusedKernel.build(spec["aot_rope"], RopePoolFusedKernel.context_for(rope, backend))
+    kv = KvPoolStoreKernel.build(spec["aot_kv_store"], KvPoolStoreKernel.context_for(None, backend))
     positions, slots = device_indices(backend, 3000 + np.arange(T), np.arange(T) * 3)
     mk = lambda *s: mx.random.normal(s).astype(mx.bfloat16)
     L = [dict(q=mk(T, H, D), k=mk(T, Hkv, D), v=mk(T, Hkv, D), w=1 + 0.1 * mk(D),
