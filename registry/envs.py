@@ -46,6 +46,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "through its direct forward (registry/integrations/direct_attention.py); `0`: every fused layer "
            "goes through the rope capture (for A/B checks). Read by each make_prompt_cache call and each "
            "SlotEngine without `direct=`."),
+    EnvVar("MLX_AOT_PACK_QKV", "flag", "1", "registry/integrations/mlx_lm_cache.py",
+           "The drop-in cache's direct forward runs a decode step's q/k/v projections as one projection of "
+           "the packed rows (registry/integrations/direct_attention.py, `pack_qkv`; the modules keep views "
+           "of them); `0`: three projections, as stock (for A/B checks). Read by each make_prompt_cache call."),
 )
 _BY_NAME = {v.name: v for v in ENV_VARS}
 _KIND_LABEL = {"flag": "flag", "path": "path", "float": "seconds", "level": "level", "list": "list"}

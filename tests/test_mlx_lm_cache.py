@@ -394,6 +394,129 @@ def test_direct_switch_and_stock_model(monkeypatch):
             mc.fused_model(model, direct=bad)
 
 
+# ----------------------------------------------------------------------------- q/k/v in one projection
+
+def _spy_packs(model) -> dict[int, list[int]]:
+    """Per packed layer, the token count L of every call of its packed projection (from now on)."""
+    from registry.integrations import direct_attention as da
+    seen = {}
+    for i, layer in enumerate(model.model.layers):
+        pack = layer.self_attn.__dict__.get(da._PACK_ATTR)
+        if pack is None:
+            continue
+        calls = seen[i] = []
+
+        def spy(x, proj=pack.proj, calls=calls):
+            calls.append(x.shape[1])
+            return proj(x)
+        pack.proj = spy
+    return seen
+
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])   # qwen2: q/k/v biases; qwen3: the norm kernel
+def test_decode_steps_project_q_k_v_once(native_artifacts, arch, tmp_path):
+    """make_prompt_cache packs each direct layer's q/k/v projections into one whose rows are theirs,
+    the modules keep views of those rows (save_weights writes them as before); every decode step (and
+    no prefill) runs the one projection, with stock's tokens, and stock mlx-lm on the packed model
+    computes exactly what it did before."""
+    from registry.integrations import direct_attention as da
+    model = fresh_model(arch)
+    before = {(i, n, k): np.array(v) for i, layer in enumerate(model.model.layers) for n in QKV
+              for k, v in layer.self_attn[n].items()}
+    want = run(model, stock.make_prompt_cache(model), PROMPT)
+    cache = make_prompt_cache(model)
+    fm = mc.fused_model(model)
+    assert fm.fusions and all(f.direct and not f.pack_reason for f in fm.fusions.values()), fm.explain()
+    assert "q/k/v in one projection" in fm.explain()
+    for i in fm.fusions:
+        attn = model.model.layers[i].self_attn
+        assert da.packed(attn)
+        proj = attn.__dict__[da._PACK_ATTR].proj
+        assert type(proj) is type(attn.q_proj) and set(proj) == set(attn.q_proj)
+        for k in proj:
+            np.testing.assert_array_equal(np.array(proj[k]), np.concatenate([before[(i, n, k)] for n in QKV]))
+            for n in QKV:
+                np.testing.assert_array_equal(np.array(attn[n][k]), before[(i, n, k)])
+    model.save_weights(str(tmp_path / "w.safetensors"))
+    saved = mx.load(str(tmp_path / "w.safetensors"))
+    for (i, n, k), v in before.items():
+        np.testing.assert_array_equal(np.array(saved[f"model.layers.{i}.self_attn.{n}.{k}"]), v)
+    seen = _spy_packs(model)
+    got = run(model, cache, PROMPT)
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
+    assert set(seen) == set(fm.fusions)
+    for i, ls in seen.items():                 # one prefill forward, then decode steps of one token
+        assert ls == [1] * (fm.fusions[i].calls["fused"] - 1) and len(ls) >= NEW - 1, (i, ls)
+    again = run(model, stock.make_prompt_cache(model), PROMPT)
+    assert again[0] == want[0]
+    np.testing.assert_array_equal(again[1], want[1])
+
+
+def test_replaced_projections_run_unpacked_until_packed_again(native_artifacts):
+    """load_weights replacing a packed projection's weight after make_prompt_cache: that layer's
+    decode runs three projections (the new weight, stock's results) and the next make_prompt_cache
+    packs it again."""
+    from registry.integrations import direct_attention as da
+    model = fresh_model("llama")
+    cache = make_prompt_cache(model)
+    attn0 = model.model.layers[0].self_attn
+    new_q = attn0.q_proj.weight * 0.5
+    model.load_weights([("model.layers.0.self_attn.q_proj.weight", new_q)], strict=False)
+    assert not da.packed(attn0) and da.packed(model.model.layers[1].self_attn)
+    want = run(model, stock.make_prompt_cache(model), PROMPT)
+    seen = _spy_packs(model)
+    got = run(model, cache, PROMPT)
+    assert got[0] == want[0] and seen[0] == [] and seen[1], seen
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
+    fresh = make_prompt_cache(model)
+    assert da.packed(attn0)
+    np.testing.assert_array_equal(np.array(attn0.__dict__[da._PACK_ATTR].proj.weight[: new_q.shape[0]]),
+                                  np.array(new_q))
+    got = run(model, fresh, PROMPT)
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
+
+
+def test_which_projections_pack(native_artifacts, monkeypatch):
+    """Three nn.QuantizedLinear of one quantisation pack (stock's tokens); mixed classes do not (the
+    reason names them) and MLX_AOT_PACK_QKV=0 takes packs out at the next make_prompt_cache."""
+    import mlx.nn as nn
+    from registry.integrations import direct_attention as da
+    model = fresh_model("llama")
+    nn.quantize(model, group_size=32, bits=8)
+    want = run(model, stock.make_prompt_cache(model), PROMPT)
+    cache = make_prompt_cache(model)
+    fm = mc.fused_model(model)
+    assert all(f.direct and not f.pack_reason for f in fm.fusions.values()), fm.explain()
+    assert type(model.model.layers[0].self_attn.__dict__[da._PACK_ATTR].proj) is nn.QuantizedLinear
+    got = run(model, cache, PROMPT)
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
+
+    monkeypatch.setenv("MLX_AOT_PACK_QKV", "0")
+    make_prompt_cache(model)
+    assert not any(da.packed(layer.self_attn) for layer in model.model.layers)
+    assert "q/k/v as three projections: MLX_AOT_PACK_QKV=0" in fm.explain()
+    monkeypatch.delenv("MLX_AOT_PACK_QKV")
+
+    mixed = fresh_model("llama")
+    nn.quantize(mixed, group_size=32, bits=8, class_predicate=lambda path, m: path.endswith("k_proj"))
+    want = run(mixed, stock.make_prompt_cache(mixed), PROMPT)
+    got = run(mixed, make_prompt_cache(mixed), PROMPT)
+    fm = mc.fused_model(mixed)
+    assert all(f.direct and f.pack_reason == "q/k/v_proj are Linear, QuantizedLinear, Linear: only three "
+               "nn.Linear or three nn.QuantizedLinear pack" for f in fm.fusions.values()), fm.explain()
+    assert got[0] == want[0]
+    attn = fresh_model("llama").model.layers[0].self_attn
+    assert da.pack_reason(attn) == ""
+    attn.q_proj.bias = mx.zeros((attn.q_proj.weight.shape[0],))
+    assert da.pack_reason(attn) == "the q/k/v projections hold different arrays (a bias on some only)"
+
+
 def test_offsets_outside_model_code_are_plain():
     """mlx-lm's cache module (state, to_quantized, merge), its generate loop and user code read
     plain ints: a captured offset object cannot leak into another cache."""

@@ -23,15 +23,29 @@ it runs the class's own forward. Which modules run the form is checked, not assu
 `direct_reason` runs the module's own forward and the form as written above on random input (a
 4-token prefill, then one decode token, with the layer's own mlx-lm cache class) and requires
 bitwise-equal outputs and cache contents. MLX_AOT_DIRECT_ATTENTION=0 keeps every layer on the capture.
+
+q/k/v in one projection (pack_qkv): a decode step's three projections of one token are three small
+matrix-vector products, two of them with a quarter of q's rows or fewer (grouped-query attention), so
+the GPU runs three launches at low occupancy. make_prompt_cache packs a direct module's q_proj, k_proj
+and v_proj (three nn.Linear, or three nn.QuantizedLinear of one quantisation) into one projection of
+the same class whose rows are theirs end to end, and gives the three modules views of those rows: the
+weights are held once and the module's own forward reads the same values. The form then runs decode
+steps (L = 1) of the drop-in caches as one projection, one reshape and one split into the q, k and v
+views (the kernel reads them strided); prefill chunks keep the three projections, so they compute
+exactly what stock does. A module whose projection arrays were replaced since (load_weights, update,
+quantize) runs the three projections until the next make_prompt_cache packs it again.
+MLX_AOT_PACK_QKV=0 keeps the three projections.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 from typing import Any, Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 
 _ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
 FORM = "the llama form"                # the module docstring spells it out
@@ -47,11 +61,17 @@ def stock_step(cache, attn, q: mx.array, k: mx.array, v: mx.array, norms: bool):
     return q, k, v
 
 
-def _form(attn, x: mx.array, mask, cache, step: Callable, norms: bool, sdpa: Callable) -> mx.array:
+def _form(attn, x: mx.array, mask, cache, step: Callable, norms: bool, sdpa: Callable,
+          pack: "QKVPack | None" = None) -> mx.array:
     B, L, _ = x.shape
-    q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
-    k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if pack is not None and L == 1 and pack.current(attn):
+        heads, D = pack.heads
+        qkv = pack.proj(x).reshape(B, 1, heads, D).transpose(0, 2, 1, 3)
+        q, k, v = mx.split(qkv, pack.cuts, axis=1)
+    else:
+        q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     q, keys, values = step(cache, attn, q, k, v, norms)
     out = sdpa(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -70,7 +90,9 @@ class DirectAttention:
         update = getattr(type(cache), "direct_update", None)      # the class's, never a wrapper's __getattr__
         if update is None:
             return self._direct_base.__call__(self, x, mask, cache)
-        return _form(self, x, mask, cache, update, self._direct_norms, self._direct_sdpa)
+        # the packed projection serves the drop-in caches only (the slot engine measures the form as it is)
+        pack = self.__dict__.get(_PACK_ATTR) if getattr(type(cache), "direct_packed", False) else None
+        return _form(self, x, mask, cache, update, self._direct_norms, self._direct_sdpa, pack)
 
 
 _CLASSES: dict[tuple[type, bool], type] = {}
@@ -163,3 +185,97 @@ def install(attn) -> None:
 def uninstall(attn) -> None:
     """The module's own class back."""
     attn.__class__ = base_class(attn)
+
+
+# ----------------------------------------------------------------------------- q/k/v in one projection
+
+_PACK_ATTR = "_mlx_aot_qkv_pack"        # a plain attribute of the module: not part of its module tree
+_PROJ = ("q_proj", "k_proj", "v_proj")
+
+
+class QKVPack:
+    """One module's q/k/v projections as one (module docstring, "q/k/v in one projection")."""
+
+    __slots__ = ("proj", "held", "heads", "cuts")
+
+    def __init__(self, proj, held: tuple, heads: tuple[int, int], cuts: list[int]):
+        self.proj = proj            # a module of the projections' class holding the packed arrays
+        self.held = held            # (projection name, array name, the view it was given)
+        self.heads = heads          # (q + k + v heads, head dim)
+        self.cuts = cuts            # where k's and v's heads start
+
+    def current(self, attn) -> bool:
+        """The three projections still hold the packed views (none was replaced since)."""
+        for name, key, view in self.held:
+            if attn[name].get(key) is not view:
+                return False
+        return True
+
+
+def packed(attn) -> bool:
+    """Whether the module's decode steps on the drop-in caches run q/k/v as one projection now."""
+    pack = attn.__dict__.get(_PACK_ATTR)
+    return pack is not None and pack.current(attn)
+
+
+def _arrays(m) -> dict[str, mx.array]:
+    return {k: v for k, v in m.items() if isinstance(v, mx.array)}
+
+
+def pack_reason(attn) -> str:
+    """"" when the module's q/k/v projections can be packed, else why not."""
+    mods = [attn.get(n) if isinstance(attn, dict) else None for n in _PROJ]
+    cls = type(mods[0])
+    if cls not in (nn.Linear, nn.QuantizedLinear) or any(type(m) is not cls for m in mods):
+        return (f"q/k/v_proj are {', '.join(type(m).__name__ for m in mods)}: only three nn.Linear or three "
+                f"nn.QuantizedLinear pack")
+    if any(m.children() for m in mods):
+        return "a q/k/v projection has child modules"
+    arrays = [_arrays(m) for m in mods]
+    if any(a.keys() != arrays[0].keys() for a in arrays) or "weight" not in arrays[0]:
+        return "the q/k/v projections hold different arrays (a bias on some only)"
+    if cls is nn.QuantizedLinear and len({(m.group_size, m.bits, m.mode) for m in mods}) != 1:
+        return "the q/k/v projections are quantised differently"
+    for key in arrays[0]:
+        rows = [a["weight"].shape[0] for a in arrays]
+        if any(a[key].ndim < 1 or a[key].shape[0] != r for a, r in zip(arrays, rows)) or \
+                len({(a[key].shape[1:], a[key].dtype) for a in arrays}) != 1:
+            return f"the q/k/v projections' {key} arrays do not stack by rows"
+    H, Hkv = getattr(attn, "n_heads", None), getattr(attn, "n_kv_heads", None)
+    rows = [a["weight"].shape[0] for a in arrays]
+    if not (isinstance(H, int) and isinstance(Hkv, int) and H > 0 and Hkv > 0 and rows[0] % H == 0
+            and rows[0] // H * Hkv == rows[1] == rows[2]):
+        return f"q/k/v_proj give {rows} outputs, not n_heads={H} and 2 x n_kv_heads={Hkv} heads of one size"
+    return ""
+
+
+def pack_qkv(attn, enabled: bool) -> str:
+    """Pack the module's q/k/v projections (module docstring) unless they are packed already;
+    enabled=False (MLX_AOT_PACK_QKV=0) takes a pack out. "" when packed, else why not."""
+    if not enabled:
+        attn.__dict__.pop(_PACK_ATTR, None)
+        return "MLX_AOT_PACK_QKV=0"
+    if packed(attn):
+        return ""
+    attn.__dict__.pop(_PACK_ATTR, None)
+    why = pack_reason(attn)
+    if why:
+        return why
+    mods = [attn[n] for n in _PROJ]
+    keys = list(_arrays(mods[0]))
+    whole = {k: mx.concatenate([m[k] for m in mods], axis=0) for k in keys}
+    mx.eval(whole)
+    rows = [m["weight"].shape[0] for m in mods]
+    starts = [0, rows[0], rows[0] + rows[1], sum(rows)]
+    held = []
+    for name, m, a, b in zip(_PROJ, mods, starts, starts[1:]):
+        for k in keys:
+            m[k] = whole[k][a:b]            # a view: the rows are held once, in `whole`
+            held.append((name, k, m[k]))
+    mx.eval([v for *_, v in held])
+    proj = copy.copy(mods[0])               # same class and settings (quantisation), packed arrays
+    for k in keys:
+        proj[k] = whole[k]
+    H, Hkv = attn.n_heads, attn.n_kv_heads
+    object.__setattr__(attn, _PACK_ATTR, QKVPack(proj, tuple(held), (H + 2 * Hkv, rows[0] // H), [H, H + Hkv]))
+    return ""

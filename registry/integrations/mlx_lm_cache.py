@@ -157,6 +157,7 @@ class Fusion:
     fallback: str = ""
     direct: bool = False       # the attention runs direct_attention's form (else: the rope capture)
     direct_reason: str = ""    # why not, when direct attention was asked for
+    pack_reason: str = ""      # direct layers: why q/k/v run as three projections ("" = one, packed)
     norm_kernel: Any = None    # qk_norm_rope_pool_fused where the trace put the q/k norms right before RoPE:
                                # the direct form's norms run in the kernel too
     backend: str = field(init=False)   # the kernel's, for the index arrays (read per layer per step)
@@ -178,7 +179,10 @@ class Fusion:
     def path(self) -> str:
         """How the attention reaches the kernel: 'direct forward' or 'rope capture (why not direct)'."""
         if self.direct:
-            return "direct forward" + (" (q/k norms in the kernel)" if self.norm_kernel is not None else "")
+            how = ["q/k norms in the kernel"] if self.norm_kernel is not None else []
+            how.append(f"q/k/v as three projections: {self.pack_reason}" if self.pack_reason
+                       else "q/k/v in one projection")
+            return f"direct forward ({'; '.join(how)})"
         return f"rope capture{f' ({self.direct_reason})' if self.direct_reason else ''}"
 
 
@@ -222,6 +226,7 @@ class _Fused:
     """Shared part of the fused caches; mixed in before the mlx-lm class."""
 
     _fusion: Fusion | None = None
+    direct_packed = True        # the direct forward runs decode steps' q/k/v as one projection (where packed)
 
     @property
     def offset(self):
@@ -662,6 +667,7 @@ def fused_model(model, *, kernels: ModelKernels | None = None, direct: bool | No
     if state is not None and kernels is None and state.signature == _signature(attn_layers):
         if direct is not None and state.direct != direct:
             _set_direct(state, attn_layers, own, direct)
+        _pack(state, attn_layers)
         return state
     direct = envs.get_flag("MLX_AOT_DIRECT_ATTENTION") if direct is None else direct
     kernels = kernels if kernels is not None else build_kernel_sets(model)
@@ -682,8 +688,17 @@ def fused_model(model, *, kernels: ModelKernels | None = None, direct: bool | No
         fusions[i] = Fusion(i, kernels.by_layer[i].rope, switch, norm_kernel=kernels.by_layer[i].qk_norm_rope)
     state = FusedModel(kernels, fusions, reasons, _signature(attn_layers))   # after the switches went in
     _set_direct(state, attn_layers, own, direct)
+    _pack(state, attn_layers)
     object.__setattr__(model, _STATE_ATTR, state)     # a plain attribute: not part of the module tree
     return state
+
+
+def _pack(state: FusedModel, attn_layers: dict) -> None:
+    """Pack the q/k/v projections of the direct layers (direct_attention.pack_qkv; MLX_AOT_PACK_QKV
+    read now), again where they were replaced since."""
+    enabled = envs.get_flag("MLX_AOT_PACK_QKV")
+    for i, f in state.fusions.items():
+        f.pack_reason = direct_attention.pack_qkv(attn_layers[i], enabled) if f.direct else ""
 
 
 def _set_direct(state: FusedModel, attn_layers: dict, own: list, direct: bool) -> None:
