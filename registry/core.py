@@ -50,11 +50,13 @@ class SelectionContext:
     applies_rope: bool | None = None       # traced: whether the layer calls its rope; None: unknown
     qk_norm: NormConfig | None = None      # per-head q/k RMSNorm feeding the RoPE, or None
     qk_norm_error: str = "the attention has no per-head q/k norm"
+    attention_sinks: bool = False          # learned sink logits (gpt-oss's `sinks`)
+    alibi: bool = False                    # ALiBi position biases
 
     def as_mapping(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("attention", "rope", "rope_error", "n_heads", "n_kv_heads",
                                               "head_dim", "dtype", "backend", "applies_rope", "qk_norm",
-                                              "qk_norm_error")}
+                                              "qk_norm_error", "attention_sinks", "alibi")}
 
 
 def _first_attr(obj: Any, *names: str) -> Any:
@@ -132,7 +134,9 @@ def describe_attention(*, sample_attn: Any, n_kv_heads: int, head_dim: int, dtyp
     return SelectionContext(attention=layout, rope=rope, rope_error=rope_error, n_heads=n_heads,
                             n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=_dtype_name(dtype),
                             backend=backend_of(device), device=device, module=sample_attn,
-                            qk_norm=qk_norm, qk_norm_error=qk_norm_error)
+                            qk_norm=qk_norm, qk_norm_error=qk_norm_error,
+                            attention_sinks=getattr(sample_attn, "sinks", None) is not None,
+                            alibi=any(getattr(sample_attn, a, None) is not None for a in ("alibi", "alibi_slopes")))
 
 
 # (q norm, k norm) attribute names of mlx-lm 0.32's attention modules.

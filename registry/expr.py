@@ -36,6 +36,8 @@ CONTEXT_NAMES: dict[str, str] = {
                     "(traced: NoPE layers, including ones that own an unused rope module), None when unknown",
     "qk_norm": "the per-head q/k RMSNorm (NormConfig: eps, weight_offset, source) that feeds the RoPE, or None",
     "qk_norm_error": "why `qk_norm` is None",
+    "attention_sinks": "True when the attention adds learned sink logits (a `sinks` parameter, e.g. gpt-oss)",
+    "alibi": "True when the attention adds ALiBi position biases (an `alibi`/`alibi_slopes` attribute)",
 }
 ATTRIBUTES: dict[str, frozenset[str]] = {
     "rope": frozenset(f.name for f in fields(RopeConfig)) | {"has_periods"},

@@ -1,0 +1,275 @@
+// decode_attention, CUDA entry points (docs/kernel-abi.md): attention of a few query tokens per
+// sequence over K/V read in place from a head-major cache [B, Hkv, S, D] or a slot-major pool
+// [P, Hkv, D] through a slot table, with each row's valid range as data (kv_len, kv_end).
+//
+// Block (split, kv head, batch row) of 128 threads (4 warps) reads each key/value row of its part of
+// the sequence once for all the query rows of its kv head (grouped-query heads x L tokens), so the
+// cache is read once per step whatever the head ratio. Within a warp, LPK = D / 8 lanes (rounded up
+// to a power of two) hold one key's row, 8 elements each (16-byte loads for 2-byte types), so loads
+// are coalesced and a dot product is LPK-lane shuffles. Softmax is online (base 2), per lane group,
+// then merged across lane groups, warps and, with n_splits > 1, across the blocks of a row
+// (flash-decoding): each block writes (max, sum, unnormalised output) to the workspace and the last
+// block to arrive (a counter per (row, kv head) in `locks`, reset by that block) combines them.
+#include <math.h>
+#include <stdint.h>
+
+#include "aot_cuda.cuh"
+
+namespace {
+
+using aot_cuda::Cvt;
+using aot_cuda::Strides;
+
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int EPL = 8;         // elements of a row per lane
+constexpr int RC = 4;          // query rows per pass over the keys (accumulators live in registers)
+constexpr int TILE = 4;        // key steps loaded before any is used (latency)
+constexpr int MAX_DIM = 256;   // EPL * 32 lanes
+constexpr float LOG2E = 1.4426950408889634f;
+
+struct Params {
+  int batch, seq_len, n_q_heads, n_kv_heads, head_dim, pool_layout, pool_rows, table_cols, window;
+  float scale, softcap;
+  int n_splits, split_len;
+};
+
+// EPL elements of a row as fp32: one or two 16-byte loads.
+template <typename T>
+__device__ __forceinline__ void load_row(const T* p, float (&x)[EPL]) {
+  static_assert(sizeof(T) * EPL % 16 == 0, "16-byte units");
+  constexpr int N = sizeof(T) * EPL / 16;
+  constexpr int PER = 16 / sizeof(T);
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    const aot_cuda::Vec<T, PER> v = *reinterpret_cast<const aot_cuda::Vec<T, PER>*>(p + u * PER);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) x[u * PER + j] = Cvt<T>::load(v.v[j]);
+  }
+}
+
+// Combine (m, l, acc) with another partial of the same rows (base-2 log-sum-exp).
+__device__ __forceinline__ void merge(float& m, float& l, float* acc, float mo, float lo, const float* acco) {
+  const float mn = fmaxf(m, mo);
+  const float a = m == -INFINITY ? 0.f : exp2f(m - mn);
+  const float b = mo == -INFINITY ? 0.f : exp2f(mo - mn);
+  l = l * a + lo * b;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) acc[e] = acc[e] * a + acco[e] * b;
+  m = mn;
+}
+
+template <typename T>
+__device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __restrict__ k_pool,
+                     const T* __restrict__ v_pool, const int32_t* __restrict__ kv_len,
+                     const int32_t* __restrict__ kv_end, const int32_t* __restrict__ table, float* workspace,
+                     int32_t* locks, const Params& p, const Strides& qs) {
+  __shared__ float part[WARPS][RC][MAX_DIM + 2];
+  __shared__ int last_block;
+  const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int D = p.head_dim, L = p.seq_len, G = p.n_q_heads / p.n_kv_heads, R = G * L;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int lpk = 1;
+  while (lpk * EPL < D) lpk *= 2;                       // lanes per key (<= 32: D <= 256)
+  const int kpi = 32 / lpk, grp = lane / lpk, sub = lane % lpk;
+  const int d0 = sub * EPL;                             // this lane's first feature
+  const bool dims = d0 < D;                             // D % 8 == 0: all EPL features or none
+
+  const int rows = p.pool_layout == 0 ? p.table_cols : p.pool_rows;
+  const int n = min(max(kv_len[b], 0), rows);          // valid keys of this row
+  const int end = kv_end[b];
+  const int lo_win = p.window > 0 ? max(0, n - L - p.window + 1) : 0;
+  const int k_lo = max(split * p.split_len, lo_win);
+  const int k_hi = min((split + 1) * p.split_len, n);
+  const long long kv_stride = static_cast<long long>(D);
+  const bool split_out = p.n_splits > 1;
+
+  for (int r0 = 0; r0 < R; r0 += RC) {
+    float qv[RC][EPL], acc[RC][EPL], m[RC], l[RC];
+#pragma unroll
+    for (int r = 0; r < RC; ++r) {
+      m[r] = -INFINITY;
+      l[r] = 0.f;
+      const int row = r0 + r, g = row / L, t = row % L, hq = hk * G + g;
+      const long long base = static_cast<long long>(b) * qs.s[0] + static_cast<long long>(hq) * qs.s[1] +
+                             static_cast<long long>(t) * qs.s[2];
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        acc[r][e] = 0.f;
+        const bool ok = row < R && dims;
+        qv[r][e] = ok ? Cvt<T>::load(q[base + static_cast<long long>(d0 + e) * qs.s[3]]) * p.scale : 0.f;
+      }
+    }
+    for (int step0 = warp; k_lo + step0 * kpi < k_hi; step0 += WARPS * TILE) {
+      float kx[TILE][EPL], vx[TILE][EPL];
+      int key[TILE];
+      bool valid[TILE];
+#pragma unroll
+      for (int j = 0; j < TILE; ++j) {
+        const int i = k_lo + (step0 + j * WARPS) * kpi + grp;
+        long long off = -1;
+        if (i < k_hi) {
+          if (p.pool_layout == 0) {
+            const int slot = table[static_cast<long long>(b) * p.table_cols + i];
+            if (slot >= 0 && slot < p.pool_rows) off = (static_cast<long long>(slot) * p.n_kv_heads + hk) * kv_stride;
+          } else {
+            int phys = (end - n + i) % rows;
+            if (phys < 0) phys += rows;
+            off = ((static_cast<long long>(b) * p.n_kv_heads + hk) * rows + phys) * kv_stride;
+          }
+        }
+        key[j] = i;
+        valid[j] = off >= 0;
+        if (valid[j] && dims) {
+          load_row<T>(k_pool + off + d0, kx[j]);
+          load_row<T>(v_pool + off + d0, vx[j]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) kx[j][e] = vx[j][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < RC; ++r) {
+        const int row = r0 + r;
+        if (row >= R) break;
+        const int t = row % L;
+        const int hi = n - L + t;                                   // last key this query sees
+        const int lo = p.window > 0 ? hi - p.window + 1 : 0;
+        float s[TILE];
+        float mt = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < TILE; ++j) {
+          float dot = 0.f;
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) dot = fmaf(qv[r][e], kx[j][e], dot);
+          for (int o = lpk / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+          if (p.softcap > 0.f) dot = p.softcap * tanhf(dot / p.softcap);
+          const bool see = valid[j] && key[j] <= hi && key[j] >= lo;
+          s[j] = see ? dot * LOG2E : -INFINITY;
+          mt = fmaxf(mt, s[j]);
+        }
+        if (mt != -INFINITY) {                                       // nothing visible: no update
+          const float mn = fmaxf(m[r], mt);
+          const float a = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mn);
+          l[r] *= a;
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) acc[r][e] *= a;
+#pragma unroll
+          for (int j = 0; j < TILE; ++j) {
+            const float pj = s[j] == -INFINITY ? 0.f : exp2f(s[j] - mn);
+            l[r] += pj;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[r][e] = fmaf(pj, vx[j][e], acc[r][e]);
+          }
+          m[r] = mn;
+        }
+      }
+    }
+    // Lane groups of a warp hold the same features of different keys: merge them.
+#pragma unroll
+    for (int r = 0; r < RC; ++r) {
+      for (int o = lpk; o < 32; o *= 2) {
+        float acco[EPL];
+        const float mo = __shfl_xor_sync(0xffffffffu, m[r], o);
+        const float lo = __shfl_xor_sync(0xffffffffu, l[r], o);
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acco[e] = __shfl_xor_sync(0xffffffffu, acc[r][e], o);
+        merge(m[r], l[r], acc[r], mo, lo, acco);
+      }
+      if (grp == 0 && dims) {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) part[warp][r][d0 + e] = acc[r][e];
+      }
+      if (lane == 0) {
+        part[warp][r][MAX_DIM] = m[r];
+        part[warp][r][MAX_DIM + 1] = l[r];
+      }
+    }
+    __syncthreads();
+    // Warps: each thread combines features of the pass's rows.
+    const int rows_here = min(RC, R - r0);
+    for (int idx = threadIdx.x; idx < rows_here * D; idx += THREADS) {
+      const int r = idx / D, d = idx % D, row = r0 + r;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, part[w][r][MAX_DIM]);
+      float sum = 0.f, val = 0.f;
+      if (mx != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+          const float mw = part[w][r][MAX_DIM];
+          const float f = mw == -INFINITY ? 0.f : exp2f(mw - mx);
+          sum += part[w][r][MAX_DIM + 1] * f;
+          val += part[w][r][d] * f;
+        }
+      }
+      const int g = row / L, t = row % L, hq = hk * G + g;
+      if (!split_out) {
+        const long long o = ((static_cast<long long>(b) * p.n_q_heads + hq) * L + t) * D + d;
+        out[o] = Cvt<T>::store(sum > 0.f ? val / sum : 0.f);
+      } else {
+        float* w = workspace + ((static_cast<long long>(b * p.n_kv_heads + hk) * p.n_splits + split) * R + row) * (D + 2);
+        w[d] = val;
+        if (d == 0) {
+          w[D] = mx;
+          w[D + 1] = sum;
+        }
+      }
+    }
+    __syncthreads();
+  }
+  if (!split_out) return;
+  // Flash-decoding: the last block of this (row, kv head) to finish combines every split.
+  __threadfence();
+  __syncthreads();
+  int32_t* lock = locks + b * p.n_kv_heads + hk;
+  if (threadIdx.x == 0) last_block = atomicAdd(lock, 1) == p.n_splits - 1;
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  const float* ws = workspace + static_cast<long long>(b * p.n_kv_heads + hk) * p.n_splits * R * (D + 2);
+  for (int idx = threadIdx.x; idx < R * D; idx += THREADS) {
+    const int row = idx / D, d = idx % D;
+    float mx = -INFINITY;
+    for (int s = 0; s < p.n_splits; ++s) mx = fmaxf(mx, __ldcg(ws + (static_cast<long long>(s) * R + row) * (D + 2) + D));
+    float sum = 0.f, val = 0.f;
+    if (mx != -INFINITY) {
+      for (int s = 0; s < p.n_splits; ++s) {
+        const float* w = ws + (static_cast<long long>(s) * R + row) * (D + 2);
+        const float ms = __ldcg(w + D);
+        if (ms == -INFINITY) continue;
+        const float f = exp2f(ms - mx);
+        sum += __ldcg(w + D + 1) * f;
+        val += __ldcg(w + d) * f;
+      }
+    }
+    const int g = row / L, t = row % L, hq = hk * G + g;
+    out[((static_cast<long long>(b) * p.n_q_heads + hq) * L + t) * D + d] = Cvt<T>::store(sum > 0.f ? val / sum : 0.f);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) atomicExch(lock, 0);   // zero at rest, for the next launch
+}
+
+}  // namespace
+
+// Scalars the wrapper validates; an inconsistent set launches nothing rather than reading out of bounds.
+#define DA_ENTRY(NAME, T)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                             \
+      const T* q, T* out, const T* k_pool, const T* v_pool, const int32_t* kv_len, const int32_t* kv_end,  \
+      const int32_t* table, float* workspace, int32_t* locks, int batch, int seq_len, int n_q_heads,       \
+      int n_kv_heads, int head_dim, int pool_layout, int pool_rows, int table_cols, int window,             \
+      float scale, float softcap, int n_splits, int split_len, Strides q_strides) {                        \
+    const Params p{batch,     seq_len, n_q_heads, n_kv_heads, head_dim, pool_layout, pool_rows,            \
+                   table_cols, window, scale,     softcap,    n_splits, split_len};                        \
+    if (head_dim < 8 || head_dim > MAX_DIM || head_dim % 8 || n_kv_heads < 1 || n_q_heads % n_kv_heads ||  \
+        seq_len < 1 || n_splits < 1 || split_len < 1 || blockDim.x != THREADS ||                           \
+        static_cast<int>(gridDim.x) != n_splits || static_cast<int>(gridDim.y) != n_kv_heads ||            \
+        static_cast<int>(gridDim.z) != batch || (pool_layout == 0 ? table_cols < 0 : pool_rows < 1) ||      \
+        static_cast<long long>(n_splits) * split_len < (pool_layout == 0 ? table_cols : pool_rows))        \
+      return;                                                                                             \
+    body<T>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, q_strides);                \
+  }
+
+DA_ENTRY(decode_attention_f16, __half)
+DA_ENTRY(decode_attention_bf16, __nv_bfloat16)
+DA_ENTRY(decode_attention_f32, float)
