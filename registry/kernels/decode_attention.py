@@ -247,8 +247,7 @@ class DecodeAttentionKernel(PoolKernel):
             if check:
                 self.check_values(q, k_pool, v_pool, kv_len, kv_end, table)
             return self.reference(q, k_pool, v_pool, kv_len, kv_end, table, scale, window, softcap)
-        if table is None:
-            table = _no_table(self.backend)
+        given, table = table, (_no_table(self.backend) if table is None else table)
         scratch = _SCRATCH.get(self.backend)
         if scratch is None:
             scratch = _SCRATCH[self.backend] = _Scratch()
@@ -259,8 +258,7 @@ class DecodeAttentionKernel(PoolKernel):
             key = None
         last = self._last
         if key is None or last is None or last[0] != key or last[2] != (scratch.workspace.size, scratch.locks.size):
-            self.validate(q, k_pool, v_pool, kv_len, kv_end, None if k_pool.ndim == 4 else table, scale, window,
-                          softcap)
+            self.validate(q, k_pool, v_pool, kv_len, kv_end, given, scale, window, softcap)
             scratch.fit(*self.scratch_need(q, k_pool, table))
             dkey, scalars, grid, group = self.launch_config(q, k_pool, v_pool, kv_len, kv_end, table, scale, window,
                                                             softcap)
