@@ -9,7 +9,7 @@ mlx-lm's BatchKVCache holds a server's prompts), evaluated once per step, median
     boolean mask (what BatchKVCache gives the attention);
   - `mlx_unmasked`: the same call with no mask (a lone KVCache's: it attends to the padding too, so
     it is a speed reference, not an equal result);
-  - `copy`: a copy of the layers' K/V bytes (read + write), whose bandwidth sets the floor.
+  - `copy`: a copy of the layers' K/V buffers (read + write), whose bandwidth sets the floor.
 floor_us = the K/V bytes the valid rows need, read once, at the copy bandwidth (bytes read and
 written per second). `python -m build_tools bench --kernel decode_attention` runs it.
 """
@@ -83,15 +83,15 @@ def run_cell(kernel, B: int, S: int, *, n_q: int, n_kv: int, D: int, dtype, laye
         return [mx.fast.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], scale=scale)
                 for q, k, v in zip(qs, keys, vals)]
 
-    def copy():
-        return [k[:, :, :end] + 0 for k in keys] + [v[:, :, :end] + 0 for v in vals]
+    def copy():                                  # whole buffers: a row-contiguous elementwise copy
+        return [k + 0 for k in keys] + [v + 0 for v in vals]
 
     got = mx.concatenate([o.astype(mx.float32).reshape(-1) for o in ours()[:2]])
     want = mx.concatenate([o.astype(mx.float32).reshape(-1) for o in masked()[:2]])
     err = float(mx.max(mx.abs(got - want)).item())
     times = time_steps(dict(kernel=ours, mlx_masked=masked, mlx_unmasked=unmasked, copy=copy), steps, warmup)
     us = {k: t[0] / layers * 1e6 for k, t in times.items()}
-    copy_bytes = 2 * 2 * B * n_kv * end * D * mx.zeros((), dtype).itemsize    # K and V, read + write
+    copy_bytes = 2 * 2 * B * n_kv * rows * D * mx.zeros((), dtype).itemsize   # K and V, read + write
     bandwidth = copy_bytes / (us["copy"] * 1e-6)
     need = 2 * sum(lens) * n_kv * D * mx.zeros((), dtype).itemsize               # the valid rows, read once
     cell = AttentionCell(B, S, str(dtype).replace("mlx.core.", ""), kernel.implementation,
@@ -141,6 +141,8 @@ def main(argv=None) -> None:
         p.error("--layers and --steps must be >= 1")
     t0 = time.time()
     res = run(cells, getattr(mx, a.dtype), layers=a.layers, steps=a.steps, progress=lambda c: print(row(c), flush=True))
+    from registry.native import stats
+    print("launcher:", {k: v for k, v in stats().items() if k in ("launches", "copies", "syncs")})
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump(dict(device=str(mx.default_device()), cells=[c.to_json() for c in res],

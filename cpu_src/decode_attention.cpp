@@ -62,7 +62,7 @@ void run(void** args) {
           if (slot < 0 || slot >= pool_rows) continue;   // outside the pool: never read
           off = (int64_t(slot) * Hkv + hk) * D;
         } else {
-          int phys = (end - n + i) % rows;
+          int64_t phys = (int64_t(end) - n + i) % rows;     // 64-bit: any int32 kv_end
           if (phys < 0) phys += rows;
           off = ((int64_t(b) * Hkv + hk) * rows + phys) * D;
         }

@@ -26,6 +26,7 @@ constexpr int EPL = 8;         // elements of a row per lane
 constexpr int RC = 4;          // query rows per pass over the keys (accumulators live in registers)
 constexpr int TILE = 4;        // key steps loaded before any is used (latency)
 constexpr int MAX_DIM = 256;   // EPL * 32 lanes
+constexpr int MAX_SPLITS = 128;
 constexpr float LOG2E = 1.4426950408889634f;
 
 struct Params {
@@ -34,18 +35,34 @@ struct Params {
   int n_splits, split_len;
 };
 
-// EPL elements of a row as fp32: one or two 16-byte loads.
+// EPL elements of a row kept as raw 16-byte units until used (registers: 4 per unit, not 8 floats),
+// so more rows can be in flight per thread.
 template <typename T>
-__device__ __forceinline__ void load_row(const T* p, float (&x)[EPL]) {
-  static_assert(sizeof(T) * EPL % 16 == 0, "16-byte units");
-  constexpr int N = sizeof(T) * EPL / 16;
-  constexpr int PER = 16 / sizeof(T);
+struct Raw {
+  static constexpr int N = sizeof(T) * EPL / 16;      // 16-byte units per lane
+  uint4 u[N];
+};
+template <typename T>
+__device__ __forceinline__ void load_raw(const T* p, Raw<T>& r) {
 #pragma unroll
-  for (int u = 0; u < N; ++u) {
-    const aot_cuda::Vec<T, PER> v = *reinterpret_cast<const aot_cuda::Vec<T, PER>*>(p + u * PER);
+  for (int i = 0; i < Raw<T>::N; ++i) r.u[i] = *reinterpret_cast<const uint4*>(p + i * (16 / sizeof(T)));
+}
+template <typename T>
+__device__ __forceinline__ void zero_raw(Raw<T>& r) {
 #pragma unroll
-    for (int j = 0; j < PER; ++j) x[u * PER + j] = Cvt<T>::load(v.v[j]);
-  }
+  for (int i = 0; i < Raw<T>::N; ++i) r.u[i] = make_uint4(0, 0, 0, 0);
+}
+template <typename T>
+__device__ __forceinline__ void unpack(const Raw<T>& r, float (&x)[EPL]) {
+  const T* e = reinterpret_cast<const T*>(r.u);
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) x[j] = Cvt<T>::load(e[j]);
+}
+
+// tanh from exp2: CUDA's tanhf is an approximation (about 2^-11 relative) on this toolchain.
+__device__ __forceinline__ float tanh_precise(float x) {
+  const float t = 1.f - 2.f / (exp2f(2.f * LOG2E * fabsf(x)) + 1.f);
+  return copysignf(t, x);
 }
 
 // Combine (m, l, acc) with another partial of the same rows (base-2 log-sum-exp).
@@ -65,6 +82,7 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
                      const int32_t* __restrict__ kv_end, const int32_t* __restrict__ table, float* workspace,
                      int32_t* locks, const Params& p, const Strides& qs) {
   __shared__ float part[WARPS][RC][MAX_DIM + 2];
+  __shared__ float weight[WARPS][MAX_SPLITS];
   __shared__ int last_block;
   const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int D = p.head_dim, L = p.seq_len, G = p.n_q_heads / p.n_kv_heads, R = G * L;
@@ -77,11 +95,15 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
 
   const int rows = p.pool_layout == 0 ? p.table_cols : p.pool_rows;
   const int n = min(max(kv_len[b], 0), rows);          // valid keys of this row
-  const int end = kv_end[b];
+  int first = 0;                                        // head-major: buffer row of logical key 0
+  if (p.pool_layout != 0) {
+    first = static_cast<int>((static_cast<long long>(kv_end[b]) - n) % rows);   // 64-bit: any int32 kv_end
+    if (first < 0) first += rows;
+  }
   const int lo_win = p.window > 0 ? max(0, n - L - p.window + 1) : 0;
   const int k_lo = max(split * p.split_len, lo_win);
   const int k_hi = min((split + 1) * p.split_len, n);
-  const long long kv_stride = static_cast<long long>(D);
+  const long long head_rows = (static_cast<long long>(b) * p.n_kv_heads + hk) * rows;   // head-major
   const bool split_out = p.n_splits > 1;
 
   for (int r0 = 0; r0 < R; r0 += RC) {
@@ -101,67 +123,75 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
       }
     }
     for (int step0 = warp; k_lo + step0 * kpi < k_hi; step0 += WARPS * TILE) {
-      float kx[TILE][EPL], vx[TILE][EPL];
+      Raw<T> kr[TILE], vr[TILE];
       int key[TILE];
       bool valid[TILE];
 #pragma unroll
-      for (int j = 0; j < TILE; ++j) {
+      for (int j = 0; j < TILE; ++j) {               // every load of the tile first: latency overlaps
         const int i = k_lo + (step0 + j * WARPS) * kpi + grp;
         long long off = -1;
         if (i < k_hi) {
           if (p.pool_layout == 0) {
             const int slot = table[static_cast<long long>(b) * p.table_cols + i];
-            if (slot >= 0 && slot < p.pool_rows) off = (static_cast<long long>(slot) * p.n_kv_heads + hk) * kv_stride;
+            if (slot >= 0 && slot < p.pool_rows) off = (static_cast<long long>(slot) * p.n_kv_heads + hk) * D;
           } else {
-            int phys = (end - n + i) % rows;
-            if (phys < 0) phys += rows;
-            off = ((static_cast<long long>(b) * p.n_kv_heads + hk) * rows + phys) * kv_stride;
+            const int phys = first + i < rows ? first + i : first + i - rows;   // ring order
+            off = (head_rows + phys) * D;
           }
         }
         key[j] = i;
         valid[j] = off >= 0;
         if (valid[j] && dims) {
-          load_row<T>(k_pool + off + d0, kx[j]);
-          load_row<T>(v_pool + off + d0, vx[j]);
+          load_raw<T>(k_pool + off + d0, kr[j]);
+          load_raw<T>(v_pool + off + d0, vr[j]);
         } else {
-#pragma unroll
-          for (int e = 0; e < EPL; ++e) kx[j][e] = vx[j][e] = 0.f;
+          zero_raw<T>(kr[j]);
+          zero_raw<T>(vr[j]);
         }
       }
+      float s[RC][TILE];
 #pragma unroll
-      for (int r = 0; r < RC; ++r) {
-        const int row = r0 + r;
-        if (row >= R) break;
-        const int t = row % L;
-        const int hi = n - L + t;                                   // last key this query sees
-        const int lo = p.window > 0 ? hi - p.window + 1 : 0;
-        float s[TILE];
-        float mt = -INFINITY;
+      for (int j = 0; j < TILE; ++j) {
+        float kf[EPL];
+        unpack<T>(kr[j], kf);
 #pragma unroll
-        for (int j = 0; j < TILE; ++j) {
+        for (int r = 0; r < RC; ++r) {
           float dot = 0.f;
 #pragma unroll
-          for (int e = 0; e < EPL; ++e) dot = fmaf(qv[r][e], kx[j][e], dot);
+          for (int e = 0; e < EPL; ++e) dot = fmaf(qv[r][e], kf[e], dot);
           for (int o = lpk / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-          if (p.softcap > 0.f) dot = p.softcap * tanhf(dot / p.softcap);
-          const bool see = valid[j] && key[j] <= hi && key[j] >= lo;
-          s[j] = see ? dot * LOG2E : -INFINITY;
-          mt = fmaxf(mt, s[j]);
+          if (p.softcap > 0.f) dot = p.softcap * tanh_precise(dot / p.softcap);
+          const int hi = n - L + (r0 + r) % L;                       // the last key this query sees
+          const bool see = r0 + r < R && valid[j] && key[j] <= hi && (p.window <= 0 || key[j] > hi - p.window);
+          s[r][j] = see ? dot * LOG2E : -INFINITY;
         }
-        if (mt != -INFINITY) {                                       // nothing visible: no update
-          const float mn = fmaxf(m[r], mt);
-          const float a = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mn);
-          l[r] *= a;
+      }
+      float pr[RC][TILE];
 #pragma unroll
-          for (int e = 0; e < EPL; ++e) acc[r][e] *= a;
+      for (int r = 0; r < RC; ++r) {
+        float mt = -INFINITY;
 #pragma unroll
-          for (int j = 0; j < TILE; ++j) {
-            const float pj = s[j] == -INFINITY ? 0.f : exp2f(s[j] - mn);
-            l[r] += pj;
+        for (int j = 0; j < TILE; ++j) mt = fmaxf(mt, s[r][j]);
+        const float mn = fmaxf(m[r], mt);
+        const float a = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mn);   // rescale what came before
+        l[r] *= a;
 #pragma unroll
-            for (int e = 0; e < EPL; ++e) acc[r][e] = fmaf(pj, vx[j][e], acc[r][e]);
-          }
-          m[r] = mn;
+        for (int e = 0; e < EPL; ++e) acc[r][e] *= a;
+#pragma unroll
+        for (int j = 0; j < TILE; ++j) {
+          pr[r][j] = s[r][j] == -INFINITY ? 0.f : exp2f(s[r][j] - mn);
+          l[r] += pr[r][j];
+        }
+        m[r] = mn;
+      }
+#pragma unroll
+      for (int j = 0; j < TILE; ++j) {
+        float vf[EPL];
+        unpack<T>(vr[j], vf);
+#pragma unroll
+        for (int r = 0; r < RC; ++r) {
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) acc[r][e] = fmaf(pr[r][j], vf[e], acc[r][e]);
         }
       }
     }
@@ -228,23 +258,30 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
   if (!last_block) return;
   __threadfence();
   const float* ws = workspace + static_cast<long long>(b * p.n_kv_heads + hk) * p.n_splits * R * (D + 2);
-  for (int idx = threadIdx.x; idx < R * D; idx += THREADS) {
-    const int row = idx / D, d = idx % D;
+  const int S = p.n_splits;
+  for (int row = warp; row < R; row += WARPS) {        // a warp per query row
     float mx = -INFINITY;
-    for (int s = 0; s < p.n_splits; ++s) mx = fmaxf(mx, __ldcg(ws + (static_cast<long long>(s) * R + row) * (D + 2) + D));
-    float sum = 0.f, val = 0.f;
-    if (mx != -INFINITY) {
-      for (int s = 0; s < p.n_splits; ++s) {
-        const float* w = ws + (static_cast<long long>(s) * R + row) * (D + 2);
-        const float ms = __ldcg(w + D);
-        if (ms == -INFINITY) continue;
-        const float f = exp2f(ms - mx);
-        sum += __ldcg(w + D + 1) * f;
-        val += __ldcg(w + d) * f;
-      }
+    for (int s = lane; s < S; s += 32) mx = fmaxf(mx, __ldcg(ws + (static_cast<long long>(s) * R + row) * (D + 2) + D));
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    for (int s = lane; s < S; s += 32) {
+      const float* w = ws + (static_cast<long long>(s) * R + row) * (D + 2);
+      const float ms = __ldcg(w + D);
+      const float f = ms == -INFINITY ? 0.f : exp2f(ms - mx);
+      weight[warp][s] = f;
+      sum += f * __ldcg(w + D + 1);
     }
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    __syncwarp();
     const int g = row / L, t = row % L, hq = hk * G + g;
-    out[((static_cast<long long>(b) * p.n_q_heads + hq) * L + t) * D + d] = Cvt<T>::store(sum > 0.f ? val / sum : 0.f);
+    T* o = out + ((static_cast<long long>(b) * p.n_q_heads + hq) * L + t) * D;
+    for (int d = lane; d < D; d += 32) {
+      float val = 0.f;
+#pragma unroll 8
+      for (int s = 0; s < S; ++s) val = fmaf(__ldcg(ws + (static_cast<long long>(s) * R + row) * (D + 2) + d), weight[warp][s], val);
+      o[d] = Cvt<T>::store(sum > 0.f ? val / sum : 0.f);
+    }
+    __syncwarp();
   }
   __syncthreads();
   if (threadIdx.x == 0) atomicExch(lock, 0);   // zero at rest, for the next launch
@@ -254,7 +291,7 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
 
 // Scalars the wrapper validates; an inconsistent set launches nothing rather than reading out of bounds.
 #define DA_ENTRY(NAME, T)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                             \
+  extern "C" __global__ void __launch_bounds__(THREADS, 3) NAME(                                             \
       const T* q, T* out, const T* k_pool, const T* v_pool, const int32_t* kv_len, const int32_t* kv_end,  \
       const int32_t* table, float* workspace, int32_t* locks, int batch, int seq_len, int n_q_heads,       \
       int n_kv_heads, int head_dim, int pool_layout, int pool_rows, int table_cols, int window,             \
@@ -262,7 +299,7 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
     const Params p{batch,     seq_len, n_q_heads, n_kv_heads, head_dim, pool_layout, pool_rows,            \
                    table_cols, window, scale,     softcap,    n_splits, split_len};                        \
     if (head_dim < 8 || head_dim > MAX_DIM || head_dim % 8 || n_kv_heads < 1 || n_q_heads % n_kv_heads ||  \
-        seq_len < 1 || n_splits < 1 || split_len < 1 || blockDim.x != THREADS ||                           \
+        seq_len < 1 || n_splits < 1 || n_splits > MAX_SPLITS || split_len < 1 || blockDim.x != THREADS ||                           \
         static_cast<int>(gridDim.x) != n_splits || static_cast<int>(gridDim.y) != n_kv_heads ||            \
         static_cast<int>(gridDim.z) != batch || (pool_layout == 0 ? table_cols < 0 : pool_rows < 1) ||      \
         static_cast<long long>(n_splits) * split_len < (pool_layout == 0 ? table_cols : pool_rows))        \

@@ -70,7 +70,7 @@ template <typename T>
         off = (long(slot) * N_KV_HEADS + hk) * HEAD_DIM;
       }
     } else {
-      int phys = (end - n + i) % rows;
+      long phys = (long(end) - n + i) % rows;   // 64-bit: any int32 kv_end
       if (phys < 0) {
         phys += rows;
       }
@@ -94,7 +94,7 @@ template <typename T>
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (softcap > 0.0f) {
-      s = softcap * precise::tanh(s / softcap);
+      s = softcap * tanh(s / softcap);
     }
     if (s > m) {
       const float f = m == -INFINITY ? 0.0f : exp(m - s);
