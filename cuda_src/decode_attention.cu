@@ -13,6 +13,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "aot_cuda.cuh"
 
 namespace {
@@ -54,9 +56,26 @@ __device__ __forceinline__ void zero_raw(Raw<T>& r) {
 }
 template <typename T>
 __device__ __forceinline__ void unpack(const Raw<T>& r, float (&x)[EPL]) {
-  const T* e = reinterpret_cast<const T*>(r.u);
+  if constexpr (sizeof(T) == 2 && std::is_same_v<T, __nv_bfloat16>) {   // bf16: the top half of an fp32
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(r.u);
 #pragma unroll
-  for (int j = 0; j < EPL; ++j) x[j] = Cvt<T>::load(e[j]);
+    for (int j = 0; j < EPL / 2; ++j) {
+      x[2 * j] = __uint_as_float(w[j] << 16);
+      x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+  } else {
+    const T* e = reinterpret_cast<const T*>(r.u);
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) x[j] = Cvt<T>::load(e[j]);
+  }
+}
+
+// Sum over the LPK lanes of a key's row (lanes xor-adjacent within the group).
+template <int LPK>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int o = LPK / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
 }
 
 // 2^x with the hardware's approximation (relative error about 2^-22): exp2f's exact path costs
@@ -84,19 +103,25 @@ __device__ __forceinline__ void merge(float& m, float& l, float* acc, float mo, 
   m = mn;
 }
 
-template <typename T>
-__device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __restrict__ k_pool,
+// Shared memory of a block, declared once (every instantiation of body shares it).
+struct Shared {
+  float part[WARPS][RC][MAX_DIM + 2];    // per warp: (max, sum, output) of the pass's rows
+  float weight[WARPS][MAX_SPLITS];       // the split merge: each split's weight for a warp's row
+  int last_block;
+};
+
+template <typename T, int LPK, bool CAP>
+__device__ __forceinline__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __restrict__ k_pool,
                      const T* __restrict__ v_pool, const int32_t* __restrict__ kv_len,
                      const int32_t* __restrict__ kv_end, const int32_t* __restrict__ table, float* workspace,
-                     int32_t* locks, const Params& p, const Strides& qs) {
-  __shared__ float part[WARPS][RC][MAX_DIM + 2];
-  __shared__ float weight[WARPS][MAX_SPLITS];
-  __shared__ int last_block;
+                     int32_t* locks, const Params& p, const Strides& qs, Shared& sh) {
+  auto& part = sh.part;
+  auto& weight = sh.weight;
+  int& last_block = sh.last_block;
   const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int D = p.head_dim, L = p.seq_len, G = p.n_q_heads / p.n_kv_heads, R = G * L;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int lpk = 1;
-  while (lpk * EPL < D) lpk *= 2;                       // lanes per key (<= 32: D <= 256)
+  constexpr int lpk = LPK;                              // lanes per key: LPK * EPL >= D
   const int kpi = 32 / lpk, grp = lane / lpk, sub = lane % lpk;
   const int d0 = sub * EPL;                             // this lane's first feature
   const bool dims = d0 < D;                             // D % 8 == 0: all EPL features or none
@@ -114,26 +139,31 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
   const long long head_rows = (static_cast<long long>(b) * p.n_kv_heads + hk) * rows;   // head-major
   const bool split_out = p.n_splits > 1;
 
+  // Scores in base 2: q carries scale * log2(e), or scale alone when soft-capping comes first.
+  const float qscale = CAP ? p.scale : p.scale * LOG2E;
+  const float inv_cap = CAP ? 1.f / p.softcap : 0.f;
   for (int r0 = 0; r0 < R; r0 += RC) {
     float qv[RC][EPL], acc[RC][EPL], m[RC], l[RC];
+    int hi_r[RC], lo_r[RC];                             // the keys query row r sees: [lo_r, hi_r]
 #pragma unroll
     for (int r = 0; r < RC; ++r) {
       m[r] = -INFINITY;
       l[r] = 0.f;
       const int row = r0 + r, g = row / L, t = row % L, hq = hk * G + g;
+      hi_r[r] = row < R ? n - L + t : -1;
+      lo_r[r] = p.window > 0 ? hi_r[r] - p.window + 1 : 0;
       const long long base = static_cast<long long>(b) * qs.s[0] + static_cast<long long>(hq) * qs.s[1] +
                              static_cast<long long>(t) * qs.s[2];
 #pragma unroll
       for (int e = 0; e < EPL; ++e) {
         acc[r][e] = 0.f;
         const bool ok = row < R && dims;
-        qv[r][e] = ok ? Cvt<T>::load(q[base + static_cast<long long>(d0 + e) * qs.s[3]]) * p.scale : 0.f;
+        qv[r][e] = ok ? Cvt<T>::load(q[base + static_cast<long long>(d0 + e) * qs.s[3]]) * qscale : 0.f;
       }
     }
     for (int step0 = warp; k_lo + step0 * kpi < k_hi; step0 += WARPS * TILE) {
       Raw<T> kr[TILE], vr[TILE];
       int key[TILE];
-      bool valid[TILE];
 #pragma unroll
       for (int j = 0; j < TILE; ++j) {               // every load of the tile first: latency overlaps
         const int i = k_lo + (step0 + j * WARPS) * kpi + grp;
@@ -147,9 +177,8 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
             off = (head_rows + phys) * D;
           }
         }
-        key[j] = i;
-        valid[j] = off >= 0;
-        if (valid[j] && dims) {
+        key[j] = off >= 0 ? i : 0x7fffffff;             // a key never seen: past every hi_r
+        if (off >= 0 && dims) {
           load_raw<T>(k_pool + off + d0, kr[j]);
           load_raw<T>(v_pool + off + d0, vr[j]);
         } else {
@@ -167,11 +196,9 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
           float dot = 0.f;
 #pragma unroll
           for (int e = 0; e < EPL; ++e) dot = fmaf(qv[r][e], kf[e], dot);
-          for (int o = lpk / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-          if (p.softcap > 0.f) dot = p.softcap * tanh_precise(dot / p.softcap);
-          const int hi = n - L + (r0 + r) % L;                       // the last key this query sees
-          const bool see = r0 + r < R && valid[j] && key[j] <= hi && (p.window <= 0 || key[j] > hi - p.window);
-          s[r][j] = see ? dot * LOG2E : -INFINITY;
+          dot = group_sum<LPK>(dot);
+          if constexpr (CAP) dot = p.softcap * LOG2E * tanh_precise(dot * inv_cap);
+          s[r][j] = key[j] <= hi_r[r] && key[j] >= lo_r[r] ? dot : -INFINITY;
         }
       }
       float pr[RC][TILE];
@@ -295,6 +322,26 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
   if (threadIdx.x == 0) atomicExch(lock, 0);   // zero at rest, for the next launch
 }
 
+// Lanes per key (the row's 16-byte units, at least 8 lanes) and soft-capping, as compile-time
+// choices: the per-key loop then has no runtime loop or branch for either.
+template <typename T>
+__device__ void dispatch(const T* q, T* out, const T* k_pool, const T* v_pool, const int32_t* kv_len,
+                         const int32_t* kv_end, const int32_t* table, float* workspace, int32_t* locks,
+                         const Params& p, const Strides& qs) {
+  __shared__ Shared sh;
+  const bool cap = p.softcap > 0.f;
+  if (p.head_dim <= 8 * EPL) {
+    cap ? body<T, 8, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
+        : body<T, 8, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  } else if (p.head_dim <= 16 * EPL) {
+    cap ? body<T, 16, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
+        : body<T, 16, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  } else {
+    cap ? body<T, 32, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
+        : body<T, 32, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  }
+}
+
 }  // namespace
 
 // Scalars the wrapper validates; an inconsistent set launches nothing rather than reading out of bounds.
@@ -312,7 +359,7 @@ __device__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __re
         static_cast<int>(gridDim.z) != batch || (pool_layout == 0 ? table_cols < 0 : pool_rows < 1) ||      \
         static_cast<long long>(n_splits) * split_len < (pool_layout == 0 ? table_cols : pool_rows))        \
       return;                                                                                             \
-    body<T>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, q_strides);                \
+    dispatch<T>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, q_strides);            \
   }
 
 DA_ENTRY(decode_attention_f16, __half)
