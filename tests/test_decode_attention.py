@@ -179,8 +179,12 @@ def test_argument_errors(native_artifacts):
 
 
 def test_split_plan():
+    """Whole waves of 396 resident blocks (3 per SM x 132 SMs), the fewest splits within 3% of the best."""
     assert split_plan(200, 1, 8, "cuda") == (1, 200)
-    assert split_plan(32768, 1, 8, "cuda") == (64, 512)
-    n, length = split_plan(16640, 4, 8, "cuda")
-    assert n * length >= 16640 and length % 64 == 0 and 12 <= n <= 16
+    for rows, batch in ((16640, 1), (16640, 4), (16640, 8), (16640, 32), (33024, 4), (2304, 32)):
+        n, length = split_plan(rows, batch, 8, "cuda")
+        blocks = batch * 8 * n
+        assert n * length >= rows > (n - 1) * length and length >= 256, (rows, batch, n, length)
+        assert blocks / (-(-blocks // 396) * 396) > 0.9, (rows, batch, n)
+    assert split_plan(16640, 1, 8, "cuda")[0] == 48 and split_plan(16640, 32, 8, "cuda")[0] == 3
     assert split_plan(32768, 1, 8, "cpu") == (1, 32768)

@@ -29,20 +29,26 @@ KERNEL_NAME = "decode_attention"
 MAX_QUERY = 8                 # query tokens per sequence (decode, speculative verification)
 MAX_HEAD_DIM = 256
 CUDA_THREADS = 128            # cuda_src/decode_attention.cu THREADS
-TARGET_BLOCKS = 512           # about four waves of the H200's 132 SMs at the kernel's occupancy
+CUDA_SLOTS = 396              # resident blocks: 3 per SM (the kernel's registers) x 132 SMs (H100/H200 SXM)
+MAX_SPLITS = 128              # cuda_src/decode_attention.cu MAX_SPLITS
 MIN_SPLIT = 256               # keys per split at least (a split's fixed cost: its partials and merge)
 HEAD_MAJOR, SLOT_MAJOR = 1, 0
 
 
 def split_plan(rows: int, batch: int, n_kv_heads: int, backend: str) -> tuple[int, int]:
-    """(n_splits, split_len) for a row capacity of `rows` keys: enough blocks to fill the GPU, each
-    split at least MIN_SPLIT keys, a multiple of 64. One split off CUDA (the CPU and Metal entries run
-    each row whole). The one source of the split: the kernel checks n_splits * split_len >= rows."""
+    """(n_splits, split_len) for a row capacity of `rows` keys: the blocks (batch x kv heads x splits)
+    fill whole waves of CUDA_SLOTS resident blocks as nearly as possible (a ragged last wave idles the
+    rest of the GPU), with the fewest splits within 3% of the best fill, each split at least MIN_SPLIT
+    keys. One split off CUDA (the CPU and Metal entries run each row whole). The one source of the
+    split: the kernel checks n_splits * split_len >= rows."""
     if backend != "cuda" or rows <= MIN_SPLIT:
         return 1, max(rows, 1)
-    want = max(1, -(-TARGET_BLOCKS // max(batch * n_kv_heads, 1)))
-    splits = max(1, min(want, -(-rows // MIN_SPLIT)))
-    split_len = -(-(-(-rows // splits)) // 64) * 64
+    base = max(batch * n_kv_heads, 1)
+    fill = {s: base * s / (-(-base * s // CUDA_SLOTS) * CUDA_SLOTS)
+            for s in range(1, min(MAX_SPLITS, -(-rows // MIN_SPLIT)) + 1)}
+    best = max(fill.values())
+    splits = min(s for s, f in fill.items() if f >= best - 0.03)
+    split_len = -(-rows // splits)
     return -(-rows // split_len), split_len
 
 
