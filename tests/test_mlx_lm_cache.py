@@ -589,7 +589,7 @@ def test_bad_arguments():
 def test_batch_decode_slots_are_made_on_the_device(native_artifacts):
     """A batch decode step's slots (b * S + idx) are one Arange every layer shares, not host data:
     on CUDA an array made from host data is managed memory, which the GPU faults in with a copy per
-    step (ncu: ~200 us at batch 32, e2e-root-cause.md section 13). Rows of the merged buffers land
+    step (ncu: ~200 us at batch 32, e2e-root-cause.md, "Host memory on CUDA"). Rows of the merged buffers land
     where the stock cache puts them."""
     from benchmarks.graph_count import count
     from registry.native import device_arange

@@ -483,7 +483,7 @@ def _batch_index(offset: mx.array, start: int, L: int, S: int, backend: str) -> 
     are a constant every layer of a step shares (memoised); a decode step's positions are the
     offsets themselves, and its slots b * S + start one Arange on the device (device_arange): no host
     data, so no per-step copy of managed memory that the GPU must fault in (ncu at batch 32: ~200 us
-    per step, docs/benchmarks/e2e-root-cause.md section 13)."""
+    per step, docs/benchmarks/e2e-root-cause.md, "Host memory on CUDA")."""
     B = offset.shape[0]
     if L == 1:
         return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), device_arange(start, B, S, backend)
