@@ -70,6 +70,18 @@ def _output(ctx, param, value: Path | None) -> Path | None:
     return value
 
 
+def _plot_output(ctx, param, value: Path | None) -> Path | None:
+    """--plot: matplotlib must import before anything is measured (a run takes minutes, and its
+    other outputs are written only at the end), then the file as _output checks it."""
+    if value is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise click.BadParameter(f"writing a plot needs matplotlib, which does not import here ({e}): "
+                                     f"pip install -e '.[bench]'") from None
+    return _output(ctx, param, value)
+
+
 def _command() -> str:
     args = sys.argv[1:]
     prog = "python -m build_tools" if args[:1] == ["bench"] else "python -m benchmarks"
@@ -149,7 +161,8 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
 @click.option("--steps", type=click.IntRange(min=20), default=20, show_default=True, help="Timed steps (median).")
 @click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True, help="Untimed steps per case.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=_output, help="Write results here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=_output, help="Write a PNG here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=_plot_output,
+              help="Write a PNG here (needs matplotlib: the `bench` extra).")
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False, path_type=Path), callback=_output,
               help="Write the key results (table per T, targets) as markdown here.")
 @click.option("--from-json", "from_json", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -311,6 +324,10 @@ def _e2e_report(cells, skipped, info, command, json_path, plot_path, md_path) ->
     click.echo("")
     for name, met, evidence in report.e2e_targets(cells, info["backend"]):
         click.echo(f"{'MET    ' if met else 'NOT MET'} {name}: {evidence}")
+    summary = report.dropin_summary(cells)
+    if summary:
+        click.echo("\nThe drop-in cache over stock mlx-lm, decode tokens/s (stock → drop-in), as markdown "
+                   "(README.md's table):\n" + summary)
     if json_path:
         report.write_e2e_json(json_path, cells, skipped, info, command)
         click.echo(f"wrote {json_path}", err=True)

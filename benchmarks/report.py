@@ -237,7 +237,8 @@ def write_markdown(path: Path, cells: list[Cell], info: dict, command: str) -> N
 
 def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
     """Three panels against T, one line per shape (median over variants and dtypes, band = min..max):
-    speedup vs MLX's path, fused ÷ trivial op, and share of the copy bandwidth, with the targets drawn."""
+    speedup vs MLX's path, fused ÷ trivial op, and share of the copy bandwidth, with the targets
+    drawn; every y axis linear from 0."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -271,7 +272,6 @@ def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
         ax.set_xticks(ts, [str(t) for t in ts])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_yscale("log")
     axes[0].axhline(1.0, color="k", lw=1.0, label="MLX's path (1x)")
     axes[1].axhline(1.0, color="k", lw=1.0)
     if backend == "cpu":
@@ -281,10 +281,9 @@ def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
         axes[1].axhline(DECODE_MAX_RATIO, color="r", ls="--", label=f"target <= {DECODE_MAX_RATIO}x (T <= {DECODE_MAX_T})")
         axes[2].axhline(PREFILL_MIN_SHARE, color="r", ls="--",
                         label=f"target >= {PREFILL_MIN_SHARE:.0%} (T >= {PREFILL_MIN_T})")
-    lo, hi = axes[0].get_ylim()
-    ticks = [t for t in (0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if lo <= t <= hi] or [1]
-    axes[0].set_yticks(ticks, [f"{t:g}x" for t in ticks])
-    axes[0].yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    for ax in axes[:2]:       # ratios on a linear axis from 0: a bar's height is the ratio
+        ax.set_ylim(0, ax.get_ylim()[1])
+    axes[0].yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda t, _: f"{t:g}x"))
     half = [c for c in cells if c.dtype in HALF] or cells   # what panel 3 shows
     axes[2].set_ylim(0, max(1.2, max((c.bandwidth_share() or 0 for c in half), default=0) * 1.05))
     for ax in axes:
@@ -497,29 +496,84 @@ def write_e2e_markdown(path: Path, cells, skipped: list[dict], info: dict, comma
     atomic_write(path, lambda fh: fh.write(text.encode()))
 
 
+_MODE_LABELS = {"mlx_lm_fused_cache": "drop-in cache in mlx-lm's own loop", "module": "slot engine, module",
+                "reference": "slot engine, reference", "fused": "slot engine, fused", "mlx_lm": "stock mlx-lm"}
+
+
 def e2e_plot(path: Path, cells, title: str) -> None:
-    """One panel per size: decode tokens/s per (dtype, batch, prompt), a bar per mode (log scale)."""
+    """e2e_figure as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = e2e_figure(cells, title)
+    atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png", bbox_inches="tight"))
+    plt.close(fig)
+
+
+def e2e_figure(cells, title: str):
+    """Each mode's decode speed over stock mlx-lm's (the median of the per-round ratios, with their
+    quartiles as whiskers), a bar per mode and cell, on a linear axis from 0 with the 1.0 line: a
+    bar's height is the ratio itself. Without mlx_lm cells the first mode measured is the base."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = list(dict.fromkeys(c.size for c in cells))
     modes = _e2e_modes(cells)
-    fig, axes = plt.subplots(len(sizes), 1, figsize=(max(8, 1.6 * 12), 3.6 * len(sizes)), squeeze=False)
-    colors = dict(zip(modes, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    width = 0.8 / max(1, len(modes))
-    for ax, size in zip(axes[:, 0], sizes):
-        groups = [(k, g) for k, g in _e2e_groups(cells).items() if k[0] == size]
-        for j, m in enumerate(modes):
-            xs = [i + (j - (len(modes) - 1) / 2) * width for i, (_, g) in enumerate(groups) if m in g]
-            ys = [g[m].decode_tokens_per_s for _, g in groups if m in g]
-            ax.bar(xs, ys, width, color=colors[m], label=m)
-        ax.set_xticks(range(len(groups)), [f"{'bf16' if k[1] == 'bfloat16' else 'f16' if k[1] == 'float16' else 'f32'}"
-                                           f" b{k[2]} p{k[3]}" for k, _ in groups], fontsize=8)
-        ax.set(yscale="log", ylabel="decode tokens/s (batch)", title=size)
-        ax.grid(True, axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=len(modes))
-    fig.suptitle(title, fontsize=10)
+    base = "mlx_lm" if "mlx_lm" in modes else modes[0]
+    shown = [m for m in modes if m != base]
+    groups = list(_e2e_groups(cells).items())
+    dtypes, prompts = {k[1] for k, _ in groups}, {k[3] for k, _ in groups}
+    short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+    labels = [f"{size}\nb{batch}" + (f" p{prompt}" if len(prompts) > 1 else "")
+              + (f" {short.get(dtype, dtype)}" if len(dtypes) > 1 else "") for (size, dtype, batch, prompt), _ in groups]
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.95 * len(groups) + 2), 5.2))
+    colors = dict(zip(shown, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    width = 0.8 / max(1, len(shown))
+    top = 1.0
+    for j, m in enumerate(shown):
+        xs, ys, lo, hi = [], [], [], []
+        for i, (_, g) in enumerate(groups):
+            r = _ratio(g, m, base)
+            if r is None:
+                continue
+            pairs = _paired(g, m, base)
+            q1, q3 = (statistics.quantiles(pairs, n=4, method="inclusive")[::2] if len(pairs) >= 2 else (r, r))
+            xs.append(i + (j - (len(shown) - 1) / 2) * width)
+            ys.append(r)
+            lo.append(max(0.0, r - q1))
+            hi.append(max(0.0, q3 - r))
+            top = max(top, q3, r)
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=colors[m], label=_MODE_LABELS.get(m, m),
+               error_kw=dict(lw=0.8))
+        if m == "mlx_lm_fused_cache":        # the headline: its ratios written on the bars
+            for x, y in zip(xs, ys):
+                ax.text(x, y / 2, f"{y:.2f}", ha="center", va="center", rotation=90, fontsize=7, color="white")
+    ax.axhline(1.0, color="k", lw=1.2, label=f"{_MODE_LABELS.get(base, base)} (1.0)")
+    ax.set_xticks(range(len(groups)), labels, fontsize=8)
+    ax.set_ylim(0, top * 1.12)
+    ax.set_ylabel(f"decode tokens/s ÷ {_MODE_LABELS.get(base, base)}'s")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=len(shown) + 1, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    ax.set_title(title + "\nmedian of the per-round ratios; whiskers: their quartiles", fontsize=9)
     fig.tight_layout()
-    atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png"))
-    plt.close(fig)
+    return fig
+
+
+def dropin_summary(cells) -> str | None:
+    """The drop-in cache against stock mlx-lm as a small markdown table (the README's): a row per
+    size (and dtype and prompt where several), a column per batch; None without both modes."""
+    a, b = "mlx_lm_fused_cache", "mlx_lm"
+    rows: dict[tuple, dict[int, str]] = {}
+    for (size, dtype, batch, prompt), g in _e2e_groups(cells).items():
+        r = _ratio(g, a, b)
+        if r is not None:
+            rows.setdefault((size, dtype, prompt), {})[batch] = (
+                f"**{r:.2f}x** ({g[b].decode_tokens_per_s:.0f} → {g[a].decode_tokens_per_s:.0f})")
+    if not rows:
+        return None
+    batches = sorted({bt for r in rows.values() for bt in r})
+    several = lambda i: len({k[i] for k in rows}) > 1
+    lines = ["| model | " + " | ".join(f"batch {bt}" for bt in batches) + " |", "|---" * (len(batches) + 1) + "|"]
+    for (size, dtype, prompt), by in rows.items():
+        name = size + (f" {dtype}" if several(1) else "") + (f", {prompt}-token prompts" if several(2) else "")
+        lines.append(f"| {name} | " + " | ".join(by.get(bt, "-") for bt in batches) + " |")
+    return "\n".join(lines)

@@ -121,8 +121,9 @@ def validate(manifest) -> None:
 
 @cli.command("compile")
 @click.option("--target", "targets", multiple=True, default=("auto",), show_default=True, metavar="TARGET",
-              help="auto|all|metal|cuda|cpu, repeatable or comma-separated. auto = every target this "
-                   "machine's toolchains can build (says what it skipped and why).")
+              help="auto|all|metal|cuda|cpu, repeatable or comma-separated. auto = what this machine runs "
+                   "(the installed MLX's backends and devices; says what it skipped and why); all = every "
+                   "target the toolchains here build (wheels, other hosts).")
 @click.option("--only", multiple=True, metavar="NAME", help="Build only these kernels (repeatable or comma-separated).")
 @click.option("--arch", "archs", multiple=True, metavar="LIST",
               help="CUDA archs, e.g. sm_90,compute_90 (sm_XX cubins, compute_XX PTX); replaces the manifest's "
@@ -262,6 +263,10 @@ def doctor(manifest) -> None:
             _doctor_cuda_archs(m, toolchains)
     out = default_output_dir()
     click.echo(f"[info]    artifacts are written to {out}")
+    runs = {t: toolchains.runs(t) for t in ("metal", "cuda", "cpu")}
+    click.echo(f"[info]    `compile` (--target auto) builds what this machine runs: "
+               f"{', '.join(t for t, why in runs.items() if not why)}"
+               + "".join(f"; not {t}: {why}" for t, why in runs.items() if why))
     try:
         import mlx.core as mx
         click.echo(f"[info]    mlx {mx.__version__}, default device {mx.default_device()}, "
@@ -274,7 +279,7 @@ def doctor(manifest) -> None:
     except ImportError as e:
         click.echo(f"[missing] native extension registry._ext ({e})\n          fix: pip install -e '.[cpu]' "
                    f"(Linux CUDA: pip install --no-build-isolation -e '.[cuda13]'; macOS: pip install -e .)")
-    click.echo(f"{missing} toolchain(s) missing; `compile --target auto` builds the rest" if missing
+    click.echo(f"{missing} toolchain(s) missing; `compile --target all` builds the rest" if missing
                else "all toolchains present")
     if m is None:
         sys.exit(1)   # a missing toolchain is normal (auto skips it); an unreadable manifest is not

@@ -193,7 +193,7 @@ def device_indices(backend: str, *arrays) -> tuple[mx.array, ...]:
     their shapes, for the kernels of `backend` and the MLX ops beside them. On CUDA, MLX keeps an
     array made from host data, and any array of at most 8 bytes, in managed memory, which a kernel
     reads across the bus: 6 of a decode launch's 10 us of rope_pool_fused on the H200
-    (docs/benchmarks/e2e-root-cause.md section 7). So there they become views of one device buffer
+    (docs/benchmarks/e2e-root-cause.md, "Host memory on CUDA"). So there they become views of one device buffer
     of more than 8 bytes that one concatenate (a kernel: once per step where the caller memoises)
     copies them into; each 1-D view is an mx.contiguous, which the launcher takes as it is. On other
     backends: plain mx.arrays."""

@@ -418,7 +418,7 @@ def test_a_lone_request_reads_a_slice_with_mlx_lms_masks(arch, mode):
 
 
 # A lone request's step against mlx-lm's own: the nodes the engine may add per KV layer (each costs host
-# time on CUDA whatever its size: docs/benchmarks/e2e-root-cause.md, section 12). Both modes read each
+# time on CUDA whatever its size: docs/benchmarks/e2e-root-cause.md). Both modes read each
 # pool as one strided view (Flatten + AsStrided where mlx-lm slices its buffer); `module` writes a
 # slice of the slot-major pool from the head-major k/v (a reshape more per tensor).
 EXTRA_PER_LAYER = {"fused": 2, "module": 4}

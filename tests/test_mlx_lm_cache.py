@@ -394,6 +394,42 @@ def test_direct_switch_and_stock_model(monkeypatch):
             mc.fused_model(model, direct=bad)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])   # gemma3: sliding layers on the rope capture too
+def test_restore_model_undoes_make_prompt_cache(native_artifacts, arch):
+    """restore_model takes out for good what make_prompt_cache installed (the direct classes, the rope
+    switches, the q/k/v packs, the per-model state): stock mlx-lm then computes exactly what it did
+    before, a cache made before keeps working, and make_prompt_cache installs everything again."""
+    from mlx.utils import tree_flatten
+
+    from registry.integrations import direct_attention as da
+    from registry.integrations.mlx_lm import find_attention_layers, restore_model
+    model = fresh_model(arch)
+    layers = find_attention_layers(model)[0]
+    before = {i: (type(a), a.rope) for i, a in layers.items()}
+    params = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    want = run(model, stock.make_prompt_cache(model), PROMPT)
+    old = make_prompt_cache(model)
+    fused = set(mc.fused_model(model).fusions)
+    assert fused and any(da.packed(layers[i]) for i in fused)
+    restore_model(model)
+    assert {i: (type(a), a.rope) for i, a in layers.items()} == before
+    assert not any(da._PACK_ATTR in a.__dict__ for a in layers.values()) and mc._STATE_ATTR not in model.__dict__
+    assert {k: np.array(v) for k, v in tree_flatten(model.parameters())}.keys() == params.keys()
+    for k, v in tree_flatten(model.parameters()):
+        np.testing.assert_array_equal(np.array(v), params[k])
+    again = run(model, stock.make_prompt_cache(model), PROMPT)
+    assert again[0] == want[0]
+    np.testing.assert_array_equal(again[1], want[1])
+    got = run(model, old, PROMPT)                    # a drop-in cache of before: mlx-lm's own update now
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
+    make_prompt_cache(model)
+    assert set(mc.fused_model(model).fusions) == fused and any(type(layers[i]) is not before[i][0] for i in fused)
+    restore_model(model)
+    restore_model(model)                             # nothing installed: nothing to do
+    assert {i: (type(a), a.rope) for i, a in layers.items()} == before
+
+
 # ----------------------------------------------------------------------------- q/k/v in one projection
 
 def _spy_packs(model) -> dict[int, list[int]]:
@@ -553,7 +589,7 @@ def test_bad_arguments():
 def test_batch_decode_slots_are_made_on_the_device(native_artifacts):
     """A batch decode step's slots (b * S + idx) are one Arange every layer shares, not host data:
     on CUDA an array made from host data is managed memory, which the GPU faults in with a copy per
-    step (ncu: ~200 us at batch 32, e2e-root-cause.md section 13). Rows of the merged buffers land
+    step (ncu: ~200 us at batch 32, e2e-root-cause.md, "Host memory on CUDA"). Rows of the merged buffers land
     where the stock cache puts them."""
     from benchmarks.graph_count import count
     from registry.native import device_arange

@@ -535,7 +535,7 @@ def _batch_index(offset: mx.array, start: int, L: int, S: int, backend: str) -> 
     are a constant every layer of a step shares (memoised); a decode step's positions are the
     offsets themselves, and its slots b * S + start one Arange on the device (device_arange): no host
     data, so no per-step copy of managed memory that the GPU must fault in (ncu at batch 32: ~200 us
-    per step, docs/benchmarks/e2e-root-cause.md section 13)."""
+    per step, docs/benchmarks/e2e-root-cause.md, "Host memory on CUDA")."""
     B = offset.shape[0]
     if L == 1:
         return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), device_arange(start, B, S, backend)
@@ -794,6 +794,19 @@ def _set_direct(state: FusedModel, attn_layers: dict, own: list, direct: bool) -
     state.direct = direct
 
 
+def _take_out(model, state: FusedModel) -> list:
+    """Take the rope switches and direct attention classes out of the fused layers; what was there,
+    as (attention, its class, rope attribute, switch), to put back."""
+    attn_layers = find_attention_layers(model)[0]
+    taken = []
+    for i, f in state.fusions.items():
+        attn, attr = attn_layers[i], rope_attr(attn_layers[i])
+        taken.append((attn, type(attn), attr, getattr(attn, attr)))
+        direct_attention.uninstall(attn)
+        setattr(attn, attr, f.switch.rope)
+    return taken
+
+
 @contextlib.contextmanager
 def stock_model(model):
     """mlx-lm's model exactly as shipped for the block (the rope switches and direct attention
@@ -802,19 +815,26 @@ def stock_model(model):
     if state is None:
         yield model
         return
-    attn_layers = find_attention_layers(model)[0]
-    taken = []
-    for i, f in state.fusions.items():
-        attn, attr = attn_layers[i], rope_attr(attn_layers[i])
-        taken.append((attn, type(attn), attr, getattr(attn, attr)))
-        direct_attention.uninstall(attn)
-        setattr(attn, attr, f.switch.rope)
+    taken = _take_out(model, state)
     try:
         yield model
     finally:
         for attn, cls, attr, switch in taken:
             setattr(attn, attr, switch)
             attn.__class__ = cls
+
+
+def restore_model(model) -> None:
+    """Undo make_prompt_cache on `model` for good: its attention classes, rope modules and q/k/v
+    projections run mlx-lm's own code again (the projections keep their weights, as views of the
+    packed rows), and the next make_prompt_cache plans the model anew. Caches made before keep
+    working as mlx-lm's own. A model make_prompt_cache never saw is left as it is."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return
+    for attn, *_ in _take_out(model, state):
+        direct_attention.pack_qkv(attn, enabled=False)
+    del model.__dict__[_STATE_ATTR]
 
 
 def _bind_entry(entry, fm: FusedModel, i: int):

@@ -258,7 +258,7 @@ class PoolCache:
     def _run(pool: mx.array, first: int, n: int) -> mx.array:
         """Slots first .. first + n - 1 of a [S, H, D] pool as the [1, H, n, D] view attention reads, no
         copy: two graph nodes (a flatten and the view) where a slice, an expand and a transpose are
-        three, each costing host time on CUDA (docs/benchmarks/e2e-root-cause.md, section 12). The
+        three, each costing host time on CUDA (docs/benchmarks/e2e-root-cause.md). The
         pool stays slot-major: a batch's gather of whole [H, D] rows took 1.1-1.75x less time than a
         head-major pool's on the H200 and 2.4-4.4x less on the CPU (benchmarks.pool_layout, section 12)."""
         S, H, D = pool.shape

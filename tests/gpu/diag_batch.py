@@ -3,7 +3,7 @@
 run, and the native launcher's counters per run (copies, syncs and first-use checks must stay 0: a
 sync is a host wait that drains the GPU's queue; output mallocs and frees are the CUDA free list's
 misses and evictions). Sizes from benchmarks/e2e.SIZES (random bf16
-weights). docs/benchmarks/e2e-root-cause.md, section 17.
+weights). docs/benchmarks/e2e-root-cause.md, "Nothing waits for the GPU".
 
     PYTHONPATH=. python3 tests/gpu/diag_batch.py [--size llama-8b[,llama-1b...]] [--batch 32[,8...]] [--prompt 128] [--tokens 64] [--rounds 4]
 """
