@@ -525,3 +525,25 @@ def test_an_engine_forward_leaves_the_drop_in_caches_switches_in_place():
     toks = [int(t) for t, _ in generate_step(mx.array(PROMPTS[0]), model, max_tokens=4, prompt_cache=cache)]
     assert cache[0]._fusion.calls["fused"] > 0 and cache[0]._fusion.calls["stock"] == 0
     assert_tokens_match(model, PROMPTS[0], toks, "drop-in cache after an engine forward")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_batched_decode_attends_through_the_kernel(native_artifacts, arch, monkeypatch):
+    """decode_attention selected (forced on: its `prefer` picks CUDA only): a batch's decode steps read
+    the pool through the slot table with no per-layer gather, each request's length and the sliding
+    window as data (gemma3's window 8 < its 12-token prompt); tokens identical to mlx-lm's."""
+    monkeypatch.setenv("MLX_AOT_DECODE_ATTENTION", "1")
+    mx.random.seed(0)
+    model = build_model(ARCHS[arch], dtype=mx.float32)
+    engine = SlotEngine(model, kernels=build_kernel_sets(model), mode="fused")
+    assert all(p.attention is not None for p in engine.plans.values() if p.path == "fused" and p.direct)
+    gathers = []
+    original = type(next(iter(engine.pools.values())))._read
+    monkeypatch.setattr(type(next(iter(engine.pools.values()))), "_read",
+                        lambda self: gathers.append(self.engine.step_ctx.length) or original(self))
+    out = engine.generate(PROMPTS, NEW_TOKENS)
+    for i, p in enumerate(PROMPTS):
+        assert_tokens_match(model, p, out["tokens"][i], f"{arch} request {i}")
+    direct = [p for p in engine.plans.values() if p.path == "fused" and p.direct]
+    assert engine.calls["decode_attention"] == len(direct) * (NEW_TOKENS - 1)
+    assert 1 not in gathers                                  # decode steps gathered nothing
