@@ -110,7 +110,7 @@ struct Shared {
   int last_block;
 };
 
-template <typename T, int LPK, bool CAP>
+template <typename T, int LPK, bool CAP, bool MASKED>
 __device__ __forceinline__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __restrict__ k_pool,
                      const T* __restrict__ v_pool, const int32_t* __restrict__ kv_len,
                      const int32_t* __restrict__ kv_end, const int32_t* __restrict__ table, float* workspace,
@@ -198,24 +198,26 @@ __device__ __forceinline__ void body(const T* __restrict__ q, T* __restrict__ ou
           for (int e = 0; e < EPL; ++e) dot = fmaf(qv[r][e], kf[e], dot);
           dot = group_sum<LPK>(dot);
           if constexpr (CAP) dot = p.softcap * LOG2E * tanh_precise(dot * inv_cap);
-          s[r][j] = key[j] <= hi_r[r] && key[j] >= lo_r[r] ? dot : -INFINITY;
+          // L = 1 and no window: every key in range is visible to every row (invalid keys: INT_MAX)
+          const bool see = MASKED ? key[j] <= hi_r[r] && key[j] >= lo_r[r] : key[j] <= hi_r[r];
+          s[r][j] = see ? dot : -INFINITY;
         }
       }
-      float pr[RC][TILE];
 #pragma unroll
-      for (int r = 0; r < RC; ++r) {
+      for (int r = 0; r < RC; ++r) {                 // s becomes the probabilities (base 2, online)
         float mt = -INFINITY;
 #pragma unroll
         for (int j = 0; j < TILE; ++j) mt = fmaxf(mt, s[r][j]);
         const float mn = fmaxf(m[r], mt);
-        const float a = m[r] == -INFINITY ? 0.f : fast_exp2(m[r] - mn);   // rescale what came before
+        const float base = mn == -INFINITY ? 0.f : mn;   // nothing seen yet: every 2^(-inf - 0) is 0
+        const float a = fast_exp2(m[r] - base);           // rescale what came before (2^-inf = 0)
         l[r] *= a;
 #pragma unroll
         for (int e = 0; e < EPL; ++e) acc[r][e] *= a;
 #pragma unroll
         for (int j = 0; j < TILE; ++j) {
-          pr[r][j] = s[r][j] == -INFINITY ? 0.f : fast_exp2(s[r][j] - mn);
-          l[r] += pr[r][j];
+          s[r][j] = fast_exp2(s[r][j] - base);
+          l[r] += s[r][j];
         }
         m[r] = mn;
       }
@@ -226,7 +228,7 @@ __device__ __forceinline__ void body(const T* __restrict__ q, T* __restrict__ ou
 #pragma unroll
         for (int r = 0; r < RC; ++r) {
 #pragma unroll
-          for (int e = 0; e < EPL; ++e) acc[r][e] = fmaf(pr[r][j], vf[e], acc[r][e]);
+          for (int e = 0; e < EPL; ++e) acc[r][e] = fmaf(s[r][j], vf[e], acc[r][e]);
         }
       }
     }
@@ -324,21 +326,35 @@ __device__ __forceinline__ void body(const T* __restrict__ q, T* __restrict__ ou
 
 // Lanes per key (the row's 16-byte units, at least 8 lanes) and soft-capping, as compile-time
 // choices: the per-key loop then has no runtime loop or branch for either.
+template <typename T, int LPK>
+__device__ __forceinline__ void dispatch_lpk(const T* q, T* out, const T* k_pool, const T* v_pool,
+                                             const int32_t* kv_len, const int32_t* kv_end, const int32_t* table,
+                                             float* workspace, int32_t* locks, const Params& p, const Strides& qs,
+                                             Shared& sh) {
+  const bool masked = p.seq_len > 1 || p.window > 0;
+  if (p.softcap > 0.f) {
+    masked ? body<T, LPK, true, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
+           : body<T, LPK, true, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  } else {
+    masked ? body<T, LPK, false, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
+           : body<T, LPK, false, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  }
+}
+
+// Lanes per key (the row's 16-byte units, at least 8 lanes), soft-capping, and whether rows see
+// different keys (L > 1 or a window) as compile-time choices: the per-key loop then has no runtime
+// loop or branch for any of them.
 template <typename T>
 __device__ void dispatch(const T* q, T* out, const T* k_pool, const T* v_pool, const int32_t* kv_len,
                          const int32_t* kv_end, const int32_t* table, float* workspace, int32_t* locks,
                          const Params& p, const Strides& qs) {
   __shared__ Shared sh;
-  const bool cap = p.softcap > 0.f;
   if (p.head_dim <= 8 * EPL) {
-    cap ? body<T, 8, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
-        : body<T, 8, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+    dispatch_lpk<T, 8>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
   } else if (p.head_dim <= 16 * EPL) {
-    cap ? body<T, 16, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
-        : body<T, 16, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+    dispatch_lpk<T, 16>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
   } else {
-    cap ? body<T, 32, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
-        : body<T, 32, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+    dispatch_lpk<T, 32>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
   }
 }
 
