@@ -143,6 +143,8 @@ def _check_values(path: Path, i: int, c: dict, kinds: dict) -> None:
     """cells[i] holds each field as the report computes with it (kinds: a type tuple, "times" a dict
     of numbers or nulls, "list" a list of numbers)."""
     for k, kind in kinds.items():
+        if k not in c:                      # an optional field (load_e2e_json checked the required ones)
+            continue
         v = c[k]
         if kind == "times":
             ok = isinstance(v, dict) and all(x is None or isinstance(x, _NUMBER) for x in v.values())
@@ -415,13 +417,14 @@ def load_e2e_json(path: Path):
 
     data = _read_doc(path, "bench --e2e --json")
     names = [f.name for f in dataclasses.fields(E2ECell)]
+    optional = ("floor_tokens_per_s", "prompt_lengths")        # files written before the decode-attention work
     cells = []
     for i, c in enumerate(data["cells"]):
-        missing = [k for k in names if not isinstance(c, dict) or k not in c]
+        missing = [k for k in names if (not isinstance(c, dict) or k not in c) and k not in optional]
         if missing:
             raise ValueError(f"{path}: cells[{i}] lacks {', '.join(missing)} (not a `bench --e2e --json` file?)")
         _check_values(path, i, c, _E2E_KINDS)
-        cells.append(E2ECell(**{k: c[k] for k in names}))
+        cells.append(E2ECell(**{k: c[k] for k in names if k in c}))
     skipped = data.get("skipped", [])
     if not isinstance(skipped, list) or not all(isinstance(s, dict) and isinstance(s.get("mode"), str)
                                                 and isinstance(s.get("reason"), str) for s in skipped):
@@ -432,7 +435,8 @@ def load_e2e_json(path: Path):
 
 _E2E_KINDS = dict(size=str, batch=int, prompt=int, dtype=str, mode=str, decode_tokens=int,
                   decode_tokens_per_s=_NUMBER, prefill_tokens_per_s=_NUMBER, decode_ms_per_step=_NUMBER, rounds=int,
-                  decode_s="list", prefill_s="list", implementation=str)
+                  decode_s="list", prefill_s="list", implementation=str, floor_tokens_per_s=_NUMBER,
+                  prompt_lengths="list")
 
 
 def _with_quartiles(group: dict, a: str, b: str) -> str:
