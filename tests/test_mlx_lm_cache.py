@@ -660,18 +660,32 @@ def test_prefill_and_growth_never_wait(native_artifacts, direct):
     assert st["syncs"] == 0 and st["first_use_checks"] == 0 and st["copies"] == 0, st
 
 
+# Prompts of different lengths (left padding 0, 7 and 4 in the batch) and which one finishes first:
+# a filter that drops the longest prompt shifts the whole batch left by the padding all others share.
+# The last case decodes two requests at a time: the others join (extend) while one is decoding.
+BATCH_PROMPTS = [[3, 17, 42, 99, 7, 8, 9, 10, 11], [11, 5], [200, 1, 2, 3, 4], [7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 12]]
+FINISHING = {"longest prompt first": ([3, 10, 6], {}), "shortest prompt first": ([10, 3, 6], {}),
+             "middle prompt first": ([6, 10, 3], {}), "two at once, then the longest": ([3, 3, 10], {}),
+             "longest prompt last": ([10, 6, 3], {}),
+             "joining while others decode": ([3, 10, 6, 4], {"completion_batch_size": 2, "prefill_batch_size": 1})}
+
+
+@pytest.mark.parametrize("order", list(FINISHING))
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_batch_generation_never_waits(native_artifacts, arch):
+def test_batch_generation_never_waits(native_artifacts, arch, order):
     """BatchGenerator starts decoding with its batch caches' filter (`keys[indices]`, a gather), and
-    filters again each time a request finishes: the launcher takes the gathered buffers in place as
-    they are (docs/native.md), so a batch generation waits for nothing and copies nothing, with
-    stock's tokens. Before, every fused pool cost a wait on the GPU (two on CUDA) per filter."""
+    filters again each time a request finishes, shifting the buffers left when every request left
+    has padding (mlx-lm slices the gathered buffer there: a view). The launcher takes the filtered
+    buffers in place as they are (docs/native.md), so a batch generation waits for nothing and
+    copies nothing whichever request finishes first, with stock's tokens. Before, a shifted view
+    cost a wait and a copy per fused pool (and a warning that did not apply to cache users)."""
     from registry import native
     model = fresh_model(arch)
-    prompts, max_tokens = [[3, 17, 42, 99, 7], [11, 5, 8, 9, 1], [200, 1, 2, 3, 4]], [3, 10, 6]
+    max_tokens, kw = FINISHING[order]
+    prompts = BATCH_PROMPTS[:len(max_tokens)]
 
     def generate(caches=None):
-        g = gen.BatchGenerator(model, stop_tokens=[], max_tokens=max(max_tokens))
+        g = gen.BatchGenerator(model, stop_tokens=[], max_tokens=max(max_tokens), **kw)
         uids = g.insert(prompts, max_tokens, caches=caches)
         toks, lps = {u: [] for u in uids}, {u: [] for u in uids}
         while responses := g.next_generated():

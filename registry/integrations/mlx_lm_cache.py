@@ -509,6 +509,23 @@ class BatchKVCache(_Fused, _stock.BatchKVCache):
         self._idx += L
         return (q, k, *self.keys_and_values())
 
+    def filter(self, batch_indices):
+        """mlx-lm's, but the buffers stay pools: mlx-lm gathers the kept rows, then slices off the
+        left padding they all share (when the request with the longest prompt has finished), a
+        view the launcher could write only through a copy, after computing it (a wait). Here the
+        gather reads the sliced rows instead: the same values, and its output is a new buffer."""
+        keys, values, idx = self.keys, self.values, self._idx
+        self.keys = self.values = None
+        try:
+            super().filter(batch_indices)          # offsets, left padding and _idx, shifted as mlx-lm's
+        finally:
+            self.keys, self.values = keys, values
+        if keys is not None:
+            shift = idx - self._idx
+            if shift:
+                keys, values = keys[..., shift:, :], values[..., shift:, :]
+            self.keys, self.values = keys[batch_indices], values[batch_indices]
+
     def extract(self, idx):
         return _rebind(super().extract(idx), [self])
 
