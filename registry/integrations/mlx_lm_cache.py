@@ -280,7 +280,7 @@ class _Fused:
         the buffers at this cache's next write while it is kept."""
         st = super().state
         self._handed_out()
-        return tuple(copy.copy(a) if isinstance(a, mx.array) else a for a in st)
+        return _alias(st)
 
     @state.setter
     def state(self, v):
@@ -300,12 +300,21 @@ class _Fused:
         A buffer not yet computed is left to the launcher: its own count also sees the pending
         launch's sibling outputs, which this one cannot tell from a snapshot."""
         counts = _owner_counts()
-        for name in ("keys", "values"):
-            a = self.__dict__.get(name)
-            if a is not None and counts is not None:
+        if counts is None:
+            return
+
+        def unshared(a):
+            if isinstance(a, (tuple, list)):            # a quantized buffer: (data, scales, biases)
+                return type(a)(unshared(x) for x in a)
+            if isinstance(a, mx.array):
                 refs, buffer_refs = counts(a)
                 if refs > 1 and buffer_refs >= 0:
-                    self.__dict__[name] = _compact(a)
+                    return _compact(a)
+            return a
+
+        for name in ("keys", "values"):
+            if self.__dict__.get(name) is not None:
+                self.__dict__[name] = unshared(self.__dict__[name])
 
     def update_and_fetch(self, keys, values):
         """mlx-lm's update_and_fetch after the attention's two rope calls: the capture's path (the
@@ -645,6 +654,13 @@ def _compact(v: mx.array) -> mx.array:
 
 
 _LAUNCH_SLOTS = ("_launch", "_launch_norm")
+
+
+def _alias(x):
+    """x with every array a new array object of the same array (nested tuples and lists too)."""
+    if isinstance(x, mx.array):
+        return copy.copy(x)
+    return type(x)(_alias(y) for y in x) if isinstance(x, (tuple, list)) else x
 
 
 def _copy_advice() -> str | None:
