@@ -1,4 +1,4 @@
-"""`python -m build_tools`: compile, list, validate, clean, doctor (and bench, from benchmarks/).
+"""`python -m build_tools`: compile, list, validate, clean, doctor, selftest (and bench, from benchmarks/).
 
 A thin layer over build_tools.compiler; importing this module is cheap (click only) so other
 helpers can add subcommands: registry, MLX and the compilers load inside the commands that need them.
@@ -283,6 +283,32 @@ def doctor(manifest) -> None:
                else "all toolchains present")
     if m is None:
         sys.exit(1)   # a missing toolchain is normal (auto skips it); an unreadable manifest is not
+
+
+@cli.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the report as JSON to this file (attach it to a bug report).")
+@OUT_OPTION
+@MANIFEST_OPTION
+def selftest(json_path, out_dir, manifest) -> None:
+    """Compile for this machine's device, check every kernel against MLX's own ops and the drop-in
+    cache against mlx-lm's own (tokens, decode speed); exit 1 if any check fails."""
+    from . import selftest as st
+
+    if json_path is not None and not json_path.parent.is_dir():
+        _fail(f"--json {json_path}: the directory {json_path.parent} does not exist; give a file in an existing "
+              f"directory", 2)
+    m = _load(manifest)
+    report = st.run(out_dir, m, log=_err)
+    for line in st.summary(report):
+        click.echo(line)
+    if json_path is not None:
+        try:
+            json_path.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+        except OSError as e:
+            _fail(f"--json {json_path}: cannot write the report ({e})", 2)
+        click.echo(f"report written to {json_path}")
+    sys.exit(0 if report["ok"] else 1)
 
 
 def _doctor_cuda_archs(m, toolchains) -> None:

@@ -69,6 +69,23 @@ def _i32_bits(name: str, value: Any) -> int:
     return value & 0xFFFFFFFF
 
 
+_KERNEL_CALLER_ADVICE = ("Rebind the returned pools and keep no other array object of them (docs/native.md, "
+                         "\"In-place outputs\").")
+
+# Called (no arguments) when a launch copies a pool, to say what the caller should do instead: the
+# first non-empty answer replaces _KERNEL_CALLER_ADVICE. An integration whose users never see the
+# pools (the drop-in cache) registers one; nothing runs on launches that write in place.
+COPY_ADVISERS: list = []
+
+
+def _advice_of(adviser) -> str | None:
+    try:
+        return adviser()
+    except Exception:          # advice only: a broken adviser must not fail the launch that copies
+        log.debug("copy adviser %r failed", adviser, exc_info=True)
+        return None
+
+
 class Launcher:
     """A loaded artifact of one kernel for one backend: `launch(...)` builds one lazy MLX primitive."""
 
@@ -108,11 +125,11 @@ class Launcher:
         # Steady-state decode never copies a pool (docs/native.md): a copy is worth one warning.
         self.copies += 1
         if self.copies == 1:
-            log.warning("%s: %s was written through a copy-on-write copy (a full copy of the pool) because %s; "
-                        "rebind the returned pools and keep no other array object of them (docs/native.md, "
-                        "\"In-place outputs\"). This warning is given once per kernel object; "
-                        "registry.native.stats() counts every copy.",
-                        self.spec.name, self._buffer_names[buffer], reason)
+            advice = next((a for a in map(_advice_of, COPY_ADVISERS) if a), _KERNEL_CALLER_ADVICE)
+            log.warning("%s: %s was written through a copy-on-write copy (one full copy of the pool, for this call; "
+                        "the values are right either way) because %s. %s This warning is given once per kernel "
+                        "object; registry.native.stats() counts every copy.",
+                        self.spec.name, self._buffer_names[buffer], reason, advice)
 
     @property
     def raw_launch(self) -> tuple[Any, Any]:
