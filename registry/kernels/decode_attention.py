@@ -180,6 +180,7 @@ class DecodeAttentionKernel(PoolKernel):
 
     def reference(self, q, k_pool, v_pool, kv_len, kv_end, table, scale=1.0, window=0, softcap=0.0):
         """Pure MLX: the keys gathered per row by the contract's index map, fp32 softmax."""
+        kv_end = kv_len if kv_end is None else kv_end
         B, Hq, L, D = q.shape
         if k_pool.ndim == 4:
             Hkv, rows = k_pool.shape[1], k_pool.shape[2]
@@ -243,10 +244,13 @@ class DecodeAttentionKernel(PoolKernel):
         return (B * Hq * L * splits * (D + 2) if splits > 1 else 1), B * Hkv
 
     # -- calls
-    def __call__(self, q, k_pool, v_pool, kv_len, kv_end=None, table=None, *, scale, window: int = 0,
-                 softcap: float = 0.0, check: bool = True):
+    def __call__(self, q, k_pool, v_pool, kv_len, kv_end=None, table=None, scale=None, window: int = 0,
+                 softcap: float = 0.0, *, check: bool = True):
         """`out` [B, Hq, L, D]. check=True also checks the valid ranges and table entries (one host
         sync); the kernel never reads outside the pool or table regardless."""
+        if scale is None:
+            raise KernelArgumentError("decode_attention: scale is required (the attention's softmax scale, "
+                                      "e.g. head_dim ** -0.5)")
         kv_end = kv_len if kv_end is None else kv_end
         if self._launcher is None:
             self.validate(q, k_pool, v_pool, kv_len, kv_end, table, scale, window, softcap)
