@@ -278,6 +278,15 @@ def test_first_divergence_teacher_forces_on_stock_tokens():
     assert logits.shape == (4, 256) and dtype == "float32" and list(logits.argmax(-1)) == want
 
 
+def test_console_scripts():
+    from importlib.metadata import entry_points
+
+    from registry.integrations import server
+
+    eps = {e.name: e for e in entry_points(group="console_scripts")}
+    assert eps["mlx-aot-generate"].load() is cli.main and eps["mlx-aot-server"].load() is server.main
+
+
 # ----------------------------------------------------------------------------- the e2e benchmark's mode
 
 # The e2e benchmark's mlx_lm_fused_cache mode: a head_dim-128 GQA llama at a real vocabulary size
