@@ -254,9 +254,9 @@ def test_check_reports_a_bf16_divergence_within_tolerance(native_artifacts, caps
 
 
 def test_check_fails_outside_the_tolerance(native_artifacts, capsys, monkeypatch):
-    from registry.integrations import mlx_lm_cache
+    from registry.integrations import tolerance
 
-    monkeypatch.setattr(mlx_lm_cache, "HALF_LOGIT_TOL", 1e-6)
+    monkeypatch.setattr(tolerance, "HALF_LOGIT_TOL", 1e-6)
     assert cli.main([*DIVERGING, "--check"]) == 1
     captured = capsys.readouterr()
     assert "check: first difference at generated token" in captured.out

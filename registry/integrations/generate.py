@@ -21,7 +21,7 @@ floating-point weights (a directory's too; default: the directory's own dtype, f
 architecture). --stock runs mlx-lm's own caches instead. --check also runs mlx-lm's own caches and
 reports the first token where the two differ, the teacher-forced logit gap there and mlx-lm's top-2
 margin there; it exits 1 unless the tokens are identical or, in bf16/fp16, the gap is within
-docs/engine.md's tolerance (mlx_lm_cache.HALF_LOGIT_TOL). Not supported: mlx-lm's --adapter-path,
+docs/engine.md's tolerance (tolerance.HALF_LOGIT_TOL). Not supported: mlx-lm's --adapter-path,
 --draft-model, --prompt-cache-file, --image, --quantize-activations, --trust-remote-code.
 """
 
@@ -232,7 +232,7 @@ class Divergence:
     def tolerance(self) -> float | None:
         """The documented bound on the gap (docs/engine.md): HALF_LOGIT_TOL x max |logit| in bf16 and
         fp16, where the kernel's rounding point differs from mlx-lm's; float32 tokens are identical."""
-        from .mlx_lm_cache import HALF_LOGIT_TOL
+        from .tolerance import HALF_LOGIT_TOL
 
         return HALF_LOGIT_TOL * self.scale if self.dtype in ("bfloat16", "float16") else None
 
@@ -303,6 +303,8 @@ def decode_benchmark(model, prompts: list[list[int]], max_tokens: int, *, fused:
 def build_parser() -> argparse.ArgumentParser:
     """mlx_lm.generate's flags that apply here, with its names and defaults (its own constants), and
     --dtype, --stock, --check."""
+    from .tolerance import HALF_LOGIT_TOL
+
     g = importlib.import_module("mlx_lm.generate")
     p = argparse.ArgumentParser(prog="mlx-aot-generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -343,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stock", action="store_true", help="mlx-lm's own caches (no fused kernel)")
     mode.add_argument("--check", action="store_true",
-                      help="also run mlx-lm's own caches and report where the tokens differ; exit 1 "
-                           "unless identical or within the documented bf16/fp16 tolerance")
+                      help="also run mlx-lm's own caches and report where the tokens differ; exit 1 unless "
+                           f"identical or, in bf16/fp16, within the documented tolerance ({HALF_LOGIT_TOL} x max |logit|)")
     return p
 
 
@@ -409,7 +411,7 @@ def _token_text(tokenizer, t: int) -> str:
 
 def _report(d: Divergence, tokenizer) -> bool:
     """Print --check's report of a divergence; True when it is within the documented tolerance."""
-    from .mlx_lm_cache import HALF_LOGIT_TOL
+    from .tolerance import HALF_LOGIT_TOL
 
     print(f"check: first difference at generated token {d.step}: mlx-lm's own caches "
           f"{_token_text(tokenizer, d.want)}, drop-in {_token_text(tokenizer, d.got)}")

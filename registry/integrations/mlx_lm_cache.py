@@ -64,11 +64,6 @@ from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_l
 
 _stock = import_mlx_lm_module("cache")
 
-# docs/engine.md, "Equivalence": in bfloat16 and float16, teacher-forced on the same tokens, the
-# drop-in caches' logits (and the slot engine's) are within HALF_LOGIT_TOL x max |logit| of mlx-lm's
-# own. The kernel rotates q and k in float32 and rounds once; mlx-lm's rope rounds differently.
-HALF_LOGIT_TOL = 0.05
-
 
 class _Offset(int):
     """A cache offset with an identity of its own: arithmetic on it gives plain ints."""
