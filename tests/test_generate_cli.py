@@ -264,6 +264,15 @@ def test_check_fails_outside_the_tolerance(native_artifacts, capsys, monkeypatch
     assert "Traceback" not in captured.err
 
 
+def test_docs_state_the_tolerance_the_code_uses():
+    from registry.integrations.tolerance import HALF_LOGIT_TOL
+    from registry.paths import PROJECT_ROOT
+
+    text = (PROJECT_ROOT / "docs" / "engine.md").read_text()
+    assert f"`max |engine - mlx-lm| <= HALF_LOGIT_TOL * max |logit|`, `HALF_LOGIT_TOL = {HALF_LOGIT_TOL}`" in text
+    assert f"bfloat16 tolerance ({HALF_LOGIT_TOL} x max |logit|" in text
+
+
 def test_first_divergence_teacher_forces_on_stock_tokens():
     """float32: no tolerance (tokens must be identical); the gap is read at the first differing step."""
     mx.random.seed(0)

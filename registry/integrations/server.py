@@ -1,6 +1,6 @@
 """`python -m registry.integrations.server` (console script `mlx-aot-server`): mlx-lm 0.32.2's
 OpenAI-compatible HTTP server (mlx_lm.server: /v1/chat/completions, /v1/completions, streaming,
-/v1/models, /health) with the drop-in caches of registry/integrations/mlx_lm_cache.py.
+/health) with the drop-in caches of registry/integrations/mlx_lm_cache.py.
 
     mlx-aot-server --model <dir> [--host 127.0.0.1] [--port 8080] [any other mlx_lm.server flag]
 
