@@ -101,5 +101,8 @@ setup(
         # nanobind: its headers, for the Metal launcher type-check (tests/test_metal_launcher_compiles.py)
         "test": ["pytest>=8", "mlx-lm==0.32.2", "matplotlib>=3.7", "nanobind==3.0.1"],
     },
-    entry_points={"console_scripts": ["mlx-aot-kernels=build_tools.cli:cli"]},
+    entry_points={"console_scripts": ["mlx-aot-kernels=build_tools.cli:cli",
+                                      # mlx-lm's generate and server commands with the drop-in caches
+                                      "mlx-aot-generate=registry.integrations.generate:main",
+                                      "mlx-aot-server=registry.integrations.server:main"]},
 )

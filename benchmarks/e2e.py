@@ -37,6 +37,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from registry.integrations.tolerance import HALF_LOGIT_TOL as BF16_LOGIT_TOL  # docs/engine.md's bound
+
 from .cases import BenchmarkError
 
 MODES = ("mlx_lm", "module", "reference", "fused", "mlx_lm_fused_cache")
@@ -47,7 +49,6 @@ BATCHES, PROMPTS, DECODE_TOKENS, ROUNDS = (1, 8, 32), (128, 2048), 64, 3
 # seconds (bf16/f16 matmuls are not native there), so its cells are shorter.
 CPU_DTYPES, CPU_BATCHES, CPU_PROMPTS, CPU_DECODE_TOKENS = ("bfloat16",), (1, 8), (32, 128), 32
 WARMUP_TOKENS, WARMUP_MAX_PROMPT = 3, 128     # the untimed run per mode: short, same batch
-BF16_LOGIT_TOL = 0.05                          # docs/engine.md: max |engine - mlx-lm| <= 0.05 * max |logit|
 CHECK_PROMPT, CHECK_TOKENS, CHECK_BATCH = 12, 8, 2
 NEAR_TIE = 1e-3                                # float32: a token may flip where mlx-lm's top-2 gap is this close
 
