@@ -188,10 +188,13 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
 @click.option("--smoke", is_flag=True,
               help="--e2e: a seconds-long run (tiny-llama, batch 1 and 2, prompt 16, 4 tokens, 1 round; "
                    "filters given with it win).")
-@click.option("--kernel", type=click.Choice(["rope_pool_fused", "qk_norm_rope_pool_fused", "kv_pool_store"]),
+@click.option("--kernel", type=click.Choice(["rope_pool_fused", "qk_norm_rope_pool_fused", "kv_pool_store",
+                                            "decode_attention"]),
               default="rope_pool_fused", show_default=True,
-              help="Which kernel; the last two are micro benchmarks against the MLX ops they replace "
-                   "(benchmarks/micro.py: --shapes, --tokens, --dtypes, --layers, --steps, --warmup, --json apply).")
+              help="Which kernel; qk_norm_rope_pool_fused and kv_pool_store are micro benchmarks against the MLX "
+                   "ops they replace (benchmarks/micro.py: --shapes, --tokens, --dtypes, --layers, --steps, --warmup, "
+                   "--json apply); decode_attention against MLX's masked and unmasked attention and the K/V read "
+                   "floor (benchmarks/attention.py: --dtypes, --layers, --steps, --json, --commit apply).")
 def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
           from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
           smoke, kernel) -> None:
@@ -225,6 +228,19 @@ def _bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup
     bad = [flag(n) for n in e2e_only if given(n)]
     if bad:
         raise click.UsageError(f"{', '.join(bad)}: only with --e2e")
+    if kernel == "decode_attention":
+        from . import attention
+
+        unused = [n for n in ("quick", "shapes", "tokens", "variants", "cases", "plot_path", "md_path", "from_json",
+                              "no_check", "warmup") if given(n)]
+        if unused or (dtypes and len(dtypes) > 1):
+            raise click.UsageError(f"--kernel decode_attention takes --dtypes (one), --layers, --steps, --json, "
+                                   f"--commit; not {', '.join(unused) or '--dtypes with several'}")
+        argv = [f"--dtype={dtypes[0]}" if dtypes else "--dtype=bfloat16", f"--layers={layers}", f"--steps={steps}"]
+        argv += [f"--json={json_path}"] if json_path else []
+        argv += [f"--commit={commit}"] if commit else []
+        attention.main(argv)
+        return
     if kernel != "rope_pool_fused":
         _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_path, commit, no_check,
                other=dict(variants=variants, cases=cases, plot=plot_path, markdown=md_path, from_json=from_json))

@@ -456,6 +456,15 @@ def _spread(cells) -> str:
     return f"median {_median(ratios):.2f}x, max {max(ratios):.2f}x" if ratios else "one round"
 
 
+def _floor_share(g: dict, modes) -> str:
+    """The cell's floor_tokens_per_s and each mode's share of it ('-' for files without a floor)."""
+    floor = next((c.floor_tokens_per_s for c in g.values() if getattr(c, "floor_tokens_per_s", 0)), 0)
+    if not floor:
+        return "-"
+    return f"{floor:.0f} (" + ", ".join(f"{100 * g[m].decode_tokens_per_s / floor:.0f}%" if m in g else "-"
+                                       for m in modes) + ")"
+
+
 def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
     def f(x, fmt):
         return format(x, fmt) if x is not None else "-"
@@ -475,14 +484,16 @@ def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
              f"- Round-to-round spread (slowest / fastest decode of a cell and mode): {_spread(cells)}; load average "
              f"at start {info.get('loadavg_start', '?')}, at end {info.get('loadavg_end', '?')}.", "",
              "| size | dtype | batch | prompt | " + " | ".join(modes) + " | fused/module | module/mlx_lm | fused/mlx_lm |"
-             " mlx_lm_fused_cache/mlx_lm [quartiles] | prefill tok/s (" + ", ".join(modes) + ") |",
-             "|" + "---|" * (9 + len(modes))]
+             " mlx_lm_fused_cache/mlx_lm [quartiles] | floor tok/s (share: " + ", ".join(modes) + ") |"
+             " prefill tok/s (" + ", ".join(modes) + ") |",
+             "|" + "---|" * (10 + len(modes))]
     for key, g in _e2e_groups(cells).items():
         size, dtype, batch, prompt = key
         lines.append(f"| {size} | {dtype} | {batch} | {prompt} | "
                      + " | ".join(f(g[m].decode_tokens_per_s if m in g else None, ".1f") for m in modes)
                      + f" | {f(_ratio(g, 'fused', 'module'), '.2f')} | {f(_ratio(g, 'module', 'mlx_lm'), '.2f')} | "
                        f"{f(_ratio(g, 'fused', 'mlx_lm'), '.2f')} | {_with_quartiles(g, 'mlx_lm_fused_cache', 'mlx_lm')} | "
+                     + _floor_share(g, modes) + " | "
                      + " / ".join(f(g[m].prefill_tokens_per_s if m in g else None, ".0f") for m in modes) + " |")
     lines += ["", "| target | result | evidence |", "|---|---|---|"]
     for name, met, evidence in e2e_targets(cells, info.get("backend", "")):
