@@ -28,7 +28,7 @@ def check_rope_args(kernel: str, q, k, v, positions, slots, k_pool, v_pool, rope
     either layout; returns the pools' geometry."""
     check_arrays(kernel, dict(q=q, k=k, v=v, positions=positions, slots=slots, k_pool=k_pool, v_pool=v_pool))
     check_activations(kernel, dict(q=q, k=k, v=v))
-    check_pool_ranks(kernel, k_pool, v_pool)
+    check_pool_ranks(kernel, dict(k_pool=k_pool, v_pool=v_pool))
     T, Hq, D = rows_of(q)
     if k.shape != v.shape:
         raise KernelArgumentError(f"{kernel}: k {shape_str(k)} and v {shape_str(v)} must have the same shape")
@@ -44,7 +44,7 @@ def check_rope_args(kernel: str, q, k, v, positions, slots, k_pool, v_pool, rope
         check_index(kernel, name, a, T)
     if rope.rotary_dims > D:
         raise KernelArgumentError(f"{kernel}: rope.rotary_dims={rope.rotary_dims} exceeds head_dim={D}")
-    return check_pools(kernel, k_pool, v_pool, Hkv, D)
+    return check_pools(kernel, dict(k_pool=k_pool, v_pool=v_pool), Hkv, D)
 
 
 def rope_scalars(rope: RopeConfig) -> dict[str, Any]:
