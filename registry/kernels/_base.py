@@ -198,11 +198,12 @@ def check_pool_ranks(kernel: str, pools: dict[str, mx.array], fmt: PoolFormat = 
 
 
 def check_pools(kernel: str, pools: dict[str, mx.array], heads: int, dim: int,
-                fmt: PoolFormat = FLOAT_POOLS) -> PoolGeometry:
+                fmt: PoolFormat = FLOAT_POOLS, act_dtype: mx.Dtype | None = None) -> PoolGeometry:
     """The K and V pool groups (`pools`: fmt.names('k') + fmt.names('v'), in that order): every array of
     one layout and one slot count, `heads` x its member's width (PoolFormat.widths), at most INT32_MAX
     slots. Float rows: both pools of one float dtype (any of the three, whatever the activations':
-    the kernels convert on the store). Quantized: uint32 words, scales and biases of one float dtype."""
+    the kernels convert on the store). Quantized: uint32 words, scales and biases of one float dtype,
+    the activations' (`act_dtype`, when given: mlx-lm keeps them in the keys' dtype)."""
     want = fmt.names("k") + fmt.names("v")
     if tuple(pools) != want:   # a wrapper's contract, not the caller's
         raise KernelArgumentError(f"{kernel}: pools {', '.join(pools)}; the {fmt} format has {', '.join(want)}")
@@ -230,6 +231,10 @@ def check_pools(kernel: str, pools: dict[str, mx.array], heads: int, dim: int,
             if not name.endswith("_pool") and p.dtype != scales.dtype:
                 raise KernelArgumentError(f"{kernel}: {name} dtype {p.dtype} differs from k_scales dtype "
                                           f"{scales.dtype}; scales and biases must match")
+        if act_dtype is not None and scales.dtype != act_dtype:
+            raise KernelArgumentError(f"{kernel}: k_scales dtype {scales.dtype} differs from the activations' "
+                                      f"{act_dtype}: the kernel keeps scales and biases in the activations' dtype, "
+                                      f"as mlx-lm's QuantizedKVCache keeps them in the keys'")
     widths = fmt.widths(dim)
     values = dict(H=heads, D=dim, W=widths[0], G=widths[-1])
     for side in ("k", "v"):

@@ -60,6 +60,34 @@ report("slot-major", out, out[2][:, 0, 0])
 out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, f32(2, 8, 4, 128), f32(2, 8, 4, 128), w, w, check_slots=False)
 report("head-major", out, out[2][:, 0, :, 0])
 """,
+    # quantized pools (4-bit, group 32): the scales of a written row of ones are nonzero
+    "kv_quant_pool_store": """
+from registry.kernels._base import PoolFormat
+from tests.test_quant_pool_store import native_store
+kernel = native_store(PoolFormat(4, 32))
+def qpools(*lead):
+    shape = lambda w: (lead[0], 8, lead[1], w) if len(lead) == 2 else (lead[0], 8, w)
+    return [mx.zeros(shape(w), dt) for _ in "kv" for w, dt in ((16, mx.uint32), (4, mx.float16), (4, mx.float16))]
+out = kernel(mk(T, 8, 128), mk(T, 8, 128), slots, *qpools(S), check_slots=False)
+report("slot-major", out, out[1][:, 0, 0], before=0)
+out = kernel(mk(T, 8, 128), mk(T, 8, 128), slots, *qpools(2, 4), check_slots=False)
+report("head-major", out, out[1][:, 0, :, 0], before=0)
+""",
+    "rope_quant_pool_fused": """
+from registry.kernels._base import PoolFormat
+from registry.norm import NormConfig
+from registry.rope import RopeConfig
+from tests.test_quant_pool_store import native_rope
+kernel = native_rope(RopeConfig(128), NormConfig(1e-6, 1.0), PoolFormat(8, 64))
+def qpools(*lead):
+    shape = lambda w: (lead[0], 8, lead[1], w) if len(lead) == 2 else (lead[0], 8, w)
+    return [mx.zeros(shape(w), dt) for _ in "kv" for w, dt in ((32, mx.uint32), (2, mx.float16), (2, mx.float16))]
+w = mk(128)
+out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, *qpools(S), w, w, check_slots=False)
+report("slot-major", out, out[3][:, 0, 0], before=0)
+out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, *qpools(2, 4), w, w, check_slots=False)
+report("head-major", out, out[3][:, 0, :, 0], before=0)
+""",
 }
 
 KERNELS = [k.name for k in KernelRegistry.from_yaml().manifest.kernels]
