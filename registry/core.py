@@ -51,6 +51,8 @@ class SelectionContext:
     applies_rope: bool | None = None       # traced: whether the layer calls its rope; None: unknown
     qk_norm: NormConfig | None = None      # per-head q/k RMSNorm feeding the RoPE, or None
     qk_norm_error: str = "the attention has no per-head q/k norm"
+    attention_sinks: bool = False          # learned sink logits (gpt-oss's `sinks`)
+    alibi: bool = False                    # ALiBi position biases
     # The KV cache's format: float rows (kv_bits None), or mlx-lm's affine quantization (4 or 8 bits)
     kv_bits: int | None = None
     kv_group_size: int | None = None
@@ -59,7 +61,8 @@ class SelectionContext:
     def as_mapping(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("attention", "rope", "rope_error", "n_heads", "n_kv_heads",
                                               "head_dim", "dtype", "backend", "applies_rope", "qk_norm",
-                                              "qk_norm_error", "kv_bits", "kv_group_size", "kv_scales_dtype")}
+                                              "qk_norm_error", "attention_sinks", "alibi", "kv_bits", "kv_group_size",
+                                              "kv_scales_dtype")}
 
     def quantized(self, bits: int | None, group_size: int | None = None,
                   scales_dtype: Any = None) -> "SelectionContext":
@@ -151,7 +154,9 @@ def describe_attention(*, sample_attn: Any, n_kv_heads: int, head_dim: int, dtyp
     ctx = SelectionContext(attention=layout, rope=rope, rope_error=rope_error, n_heads=n_heads,
                            n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=_dtype_name(dtype),
                            backend=backend_of(device), device=device, module=sample_attn,
-                           qk_norm=qk_norm, qk_norm_error=qk_norm_error)
+                           qk_norm=qk_norm, qk_norm_error=qk_norm_error,
+                           attention_sinks=getattr(sample_attn, "sinks", None) is not None,
+                           alibi=any(getattr(sample_attn, a, None) is not None for a in ("alibi", "alibi_slopes")))
     return ctx.quantized(kv_bits, kv_group_size, kv_scales_dtype)
 
 

@@ -723,3 +723,41 @@ def test_quantized_kv_after_fused_prefill_and_slot_engine_still_work(native_arti
     assert all(type(c) is stock.QuantizedKVCache for c in cache)
     out = SlotEngine(model).generate(PROMPTS[:2], 4)
     assert out["tokens"] == [mlx_lm_greedy(model, p, 4) for p in PROMPTS[:2]]
+
+
+# ----------------------------------------------------------------------------- decode attention
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_batch_decode_attention_matches_stock(native_artifacts, arch, monkeypatch):
+    """With decode_attention selected (forced on here: its `prefer` picks CUDA only), the batch caches'
+    decode steps attend through it, reading the left padding (BatchKVCache) and the ring
+    (BatchRotatingKVCache, gemma3's sliding layers, prompts past the window) per row: BatchGenerator's
+    tokens identical and log-probs within 1e-4 of stock's."""
+    monkeypatch.setenv("MLX_AOT_DECODE_ATTENTION", "1")
+    model = fresh_model(arch)
+    mc.fused_model(model)
+    want = batch_run(model, PROMPTS, n=20)
+    got = batch_run(model, PROMPTS, n=20, caches=[make_prompt_cache(model) for _ in PROMPTS])
+    assert_same_up_to_noise(model, PROMPTS, got, want)
+    fm = mc.fused_model(model)
+    attended = {i: f.calls.get("attention", 0) for i, f in fm.fusions.items() if f.direct}
+    assert attended and all(n > 0 for n in attended.values()), attended
+    assert all(f.attention is not None for f in fm.fusions.values() if f.direct)
+    assert "batch-cache decode attention: decode_attention" in fm.explain()
+
+
+def test_lone_cache_keeps_mlx_attention(native_artifacts, monkeypatch):
+    """A lone KVCache's decode passes no mask, which MLX's fused attention kernel takes: it stays."""
+    monkeypatch.setenv("MLX_AOT_DECODE_ATTENTION", "1")
+    model = fresh_model("llama")
+    cache = make_prompt_cache(model)
+    want = run(model, None, PROMPT)
+    assert run(model, cache, PROMPT)[0] == want[0]
+    assert all(f.calls.get("attention", 0) == 0 for f in mc.fused_model(model).fusions.values())
+
+
+def test_attention_not_selected_says_why():
+    model = fresh_model("llama")
+    fm = mc.fused_model(model)
+    if backend_of() != "cuda":
+        assert "attention: MLX's sdpa (not faster here: on cpu, MLX's own attention" in fm.explain()

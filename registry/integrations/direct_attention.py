@@ -11,6 +11,8 @@ Most mlx-lm attention classes (llama, mistral, qwen2, qwen3, ...) run one form:
     q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)             <- these lines: one kernel call
     o_proj(sdpa(q, k, v, cache=cache, scale=scale, mask=mask) as [B, L, H * D])
+                                                    <- sdpa: decode_attention where the cache says
+                                                       (`cache.direct_attend`, else None: sdpa)
 
 (a per-head norm gives the same bits before or after the [B, L, H, D] -> [B, H, L, D] transpose, so
 qwen3's norm-then-transpose runs this form too: the check below is what says so).
@@ -73,7 +75,10 @@ def _form(attn, x: mx.array, mask, cache, step: Callable, norms: bool, sdpa: Cal
         k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     q, keys, values = step(cache, attn, q, k, v, norms)
-    out = sdpa(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
+    attend = getattr(type(cache), "direct_attend", None)       # the drop-in caches' decode attention
+    out = attend(cache, attn, q, mask) if attend is not None else None
+    if out is None:
+        out = sdpa(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -160,6 +160,8 @@ class Fusion:
     pack_reason: str = ""      # direct layers: why q/k/v run as three projections ("" = one, packed)
     norm_kernel: Any = None    # qk_norm_rope_pool_fused where the trace put the q/k norms right before RoPE:
                                # the direct form's norms run in the kernel too
+    attention: Any = None      # decode_attention where selected: the direct form's masked decode attention
+    attention_reason: str = "" # why not, when it is None
     backend: str = field(init=False)   # the kernel's, for the index arrays (read per layer per step)
 
     def __post_init__(self):
@@ -182,6 +184,8 @@ class Fusion:
             how = ["q/k norms in the kernel"] if self.norm_kernel is not None else []
             how.append(f"q/k/v as three projections: {self.pack_reason}" if self.pack_reason
                        else "q/k/v in one projection")
+            how.append(f"batch-cache decode attention: {self.attention.NAME} ({self.attention.implementation})"
+                       if self.attention is not None else f"attention: MLX's sdpa ({self.attention_reason})")
             return f"direct forward ({'; '.join(how)})"
         return f"rope capture{f' ({self.direct_reason})' if self.direct_reason else ''}"
 
@@ -307,6 +311,37 @@ class _Fused:
         """mlx-lm's own update_and_fetch of this cache's class."""
         return super().update_and_fetch(keys, values)
 
+    def make_mask(self, *args, **kwargs):
+        """mlx-lm's mask; an array mask is remembered with the window it was made for, so that
+        direct_attend can tell a mask it can read as valid ranges from any other."""
+        mask = super().make_mask(*args, **kwargs)
+        if isinstance(mask, mx.array):
+            _remember_mask(mask, type(self), kwargs.get("window_size"))
+        return mask
+
+    def direct_attend(self, attn, q: mx.array, mask):
+        """direct_attention's attention after direct_update: decode_attention over this cache's
+        buffers read in place, each row's valid range from the cache's state, where the stock call
+        would get an array mask (the batch caches, windowed masks): MLX's CUDA attention then
+        leaves its fused kernel (docs/benchmarks/e2e-root-cause.md). None: run MLX's sdpa (mask
+        None or "causal", which MLX's fused kernels take; a mask this cache did not make; L > 8)."""
+        f = self._fusion
+        if f is None or f.attention is None or not isinstance(mask, mx.array) or q.shape[2] > 8:
+            return None
+        made = _MASKS.get(id(mask))
+        if made is None or made[0] is not mask or made[1] is not type(self) or self.keys is None:
+            return None
+        ranges = self._ranges(q.shape[2], made[2])
+        if ranges is None:
+            return None
+        kv_len, kv_end, window = ranges
+        f.calls["attention"] += 1
+        return f.attention(q, self.keys, self.values, kv_len, kv_end, scale=attn.scale, window=window, check=False)
+
+    def _ranges(self, L: int, window):
+        """(kv_len, kv_end, window) of docs/kernel-abi.md for this cache after its update, or None."""
+        return None
+
     def _captured(self, keys: mx.array, values: mx.array):
         """(q call, k call) when this forward's two rope calls were recorded for this cache, else
         None: then the keys already hold the original rope's output and the write is mlx-lm's."""
@@ -403,6 +438,16 @@ class _Fused:
 
 _MODEL_MODULES: dict[str, bool] = {}
 
+# Array masks a fused cache made, by id: (the mask, the cache class, its window_size). mlx-lm's models
+# make one mask per step from one layer's cache and pass it to every layer of that kind.
+_MASKS: dict[int, tuple] = {}
+
+
+def _remember_mask(mask: mx.array, cls: type, window) -> None:
+    if len(_MASKS) >= 8:
+        del _MASKS[next(iter(_MASKS))]
+    _MASKS[id(mask)] = (mask, cls, window)
+
 
 def _is_model_code(module: str) -> bool:
     return module.startswith("mlx_lm.models.") and module != "mlx_lm.models.cache"
@@ -442,6 +487,13 @@ class KVCache(_Fused, _stock.KVCache):
         if n < S:
             return q, k, self.keys[:, :, :n], self.values[:, :, :n]     # [..., :n, :] parses slower (4-D buffers)
         return q, k, self.keys, self.values
+
+    def _ranges(self, L, window):
+        # an array mask on a lone cache: mlx-lm's causal mask with a window (offset = rows written)
+        n = self.__dict__["_fused_off"]
+        B = self.keys.shape[0]
+        ends = device_arange(n, B, 0, self._fusion.backend) if B > 1 else device_arange(n, 1, 1, self._fusion.backend)
+        return ends, ends, int(window or 0)
 
     @classmethod
     def merge(cls, caches):
@@ -509,6 +561,14 @@ class BatchKVCache(_Fused, _stock.BatchKVCache):
         self._idx += L
         return (q, k, *self.keys_and_values())
 
+    def _ranges(self, L, window):
+        # row b: the offset[b] tokens it holds end at _idx (left padding before them)
+        off = self.__dict__["_fused_off"]
+        B = off.shape[0]
+        end = device_arange(self._idx, B, 0, self._fusion.backend) if B > 1 else \
+            device_arange(self._idx, 1, 1, self._fusion.backend)
+        return (off if off.dtype == mx.int32 else off.astype(mx.int32)), end, int(window or 0)
+
     def extract(self, idx):
         return _rebind(super().extract(idx), [self])
 
@@ -555,6 +615,17 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
         concatenate makes the same rows a buffer of their own, as RotatingKVCache._trim does."""
         v = super()._trim(trim_size, v, append)
         return _compact(v) if trim_size > 0 and append is None else v
+
+    def _ranges(self, L, window):
+        # decode only, a window no narrower than the ring: row b's min(offset[b], rows) newest rows end
+        # at _idx, wrapping (the kernel clamps the count to the buffer's rows)
+        if L != 1 or (window is not None and window < self.max_size):
+            return None
+        off = self.__dict__["_fused_off"]
+        B = off.shape[0]
+        end = device_arange(self._idx, B, 0, self._fusion.backend) if B > 1 else \
+            device_arange(self._idx, 1, 1, self._fusion.backend)
+        return (off if off.dtype == mx.int32 else off.astype(mx.int32)), end, 0
 
     def extract(self, idx):
         return _rebind(super().extract(idx), [self])
@@ -685,7 +756,11 @@ def fused_model(model, *, kernels: ModelKernels | None = None, direct: bool | No
         if not isinstance(switch, SwitchRope):
             switch = SwitchRope(switch)
             setattr(attn, attr, switch)
-        fusions[i] = Fusion(i, kernels.by_layer[i].rope, switch, norm_kernel=kernels.by_layer[i].qk_norm_rope)
+        ks = kernels.by_layer[i]
+        attention = getattr(ks, "attention", None)
+        fusions[i] = Fusion(i, ks.rope, switch, norm_kernel=ks.qk_norm_rope, attention=attention,
+                            attention_reason="" if attention is not None else
+                            ks.rejections.get("decode_attention", "decode_attention is not declared"))
     state = FusedModel(kernels, fusions, reasons, _signature(attn_layers))   # after the switches went in
     _set_direct(state, attn_layers, own, direct)
     _pack(state, attn_layers)

@@ -392,7 +392,7 @@ class PoolKernel:
         self.reason = reason
         self._plans: dict[tuple, Any] = {}
         self.enabled = True
-        self._slot_arg = self.ARGS.index(self.SLOTS)
+        self._slot_arg = self.ARGS.index(self.SLOTS) if self.SLOTS else None   # None: no slot check
         self._pos_arg = self.ARGS.index(self.POSITIONS) if self.POSITIONS else None
         self._pool_arg = self.ARGS.index(self.POOL)
         if launcher is not None:
