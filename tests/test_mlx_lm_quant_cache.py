@@ -1,0 +1,220 @@
+"""The drop-in cache's quantized form (registry/integrations/mlx_lm_quant_cache.py) inside mlx-lm 0.32.2's
+own generate_step: make_prompt_cache(kv_bits=...) and generate_step(kv_bits=...) give mlx-lm's
+QuantizedKVCache class with the kernels' writes and attention; f32 greedy tokens and log-probs as
+mlx-lm's own QuantizedKVCache; unfused (NoPE) layers on the plain quantized store; the CUDA
+attention path (dequantize + fused sdpa) on any device; save/load in mlx-lm's file; BatchGenerator
+as stock (no quantized batching in mlx-lm 0.32.2). Runs on the default device (CPU in CI; the GPU
+host too)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from registry.core import backend_of
+from registry.integrations import mlx_lm_cache as mc
+from registry.integrations import mlx_lm_quant_cache as mq
+from registry.integrations.coverage import ARCHS
+from registry.integrations.mlx_lm import build_model, import_mlx_lm_module, make_prompt_cache
+from tests.test_mlx_lm_cache import PROMPT, PROMPTS, batch_run
+
+gen = importlib.import_module("mlx_lm.generate")
+stock = import_mlx_lm_module("cache")
+NEW = 12
+FORWARDS = NEW + 2       # generate_step: a prefill chunk, then one forward per token and one ahead
+# head_dim 64: every group size divides it (the coverage table's tiny models have 16 or 32)
+WIDE = dict(hidden_size=128, num_attention_heads=4, head_dim=64)
+ON_CPU = backend_of(None) == "cpu"
+
+
+def model_of(arch: str, dtype=mx.float32):
+    mx.random.seed(0)
+    return build_model(dict(ARCHS[arch], **WIDE), dtype=dtype)
+
+
+def run(model, cache, prompt=PROMPT, n=NEW, **kw):
+    toks, lps = [], []
+    for (t, lp), _ in zip(gen.generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=cache, **kw),
+                          range(n)):
+        toks.append(int(t))
+        lps.append(np.array(lp.astype(mx.float32)))
+    return toks, np.stack(lps)
+
+
+def stock_quantized(model, bits, gs):
+    """mlx-lm's own quantized caches from the first token (what make_prompt_cache(kv_bits=...) mirrors)."""
+    return [stock.QuantizedKVCache(group_size=gs, bits=bits) if type(c) is stock.KVCache else c
+            for c in stock.make_prompt_cache(model)]
+
+
+def stock_or_skip(model, cache, **kw):
+    try:
+        return run(model, cache, **kw)
+    except RuntimeError as e:   # MLX 0.32.4's CUDA quantized_matmul has no kernel for these shapes
+        if "No implementation for problem shape" not in str(e):
+            raise
+        pytest.skip(f"stock mlx-lm's quantized KV cache does not run on {mx.default_device()}: {e}")
+
+
+# A last-bit difference of a rotated key (the kernel's fp32 RoPE against mx.fast.rope) can move a
+# quantized value by one step (the group's range / 255 at 8 bits), which moves the log-probs by up to
+# ~1e-3 in these tiny models (3e-4 measured, gemma3 at 8 bits): tokens must match exactly.
+LOGPROB_ATOL = 2e-3
+
+
+def assert_close(got, want, atol=LOGPROB_ATOL):
+    assert got[0] == want[0], (got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("bits, gs", [(8, 32), (8, 64), (4, 64)])
+def test_greedy_tokens_match_mlx_lms_quantized_cache(native_artifacts, arch, bits, gs):
+    """f32: the tokens of mlx-lm's own QuantizedKVCache, log-probs within LOGPROB_ATOL; every layer writes
+    through rope_quant_pool_fused (the norm form for qwen3), in place, nothing through mlx-lm."""
+    model = model_of(arch)
+    own = stock_quantized(model, bits, gs)
+    want = stock_or_skip(model, own)
+    cache = make_prompt_cache(model, kv_bits=bits, kv_group_size=gs)
+    assert all(type(c).__name__ == "QuantizedKVCache" and isinstance(c, mq.QuantizedKVCache) for c in cache)
+    assert_close(run(model, cache), want)
+    plan = mc.fused_model(model).quant[(bits, gs)]
+    for i, q in plan.items():
+        assert q.fusion is not None and q.fusion.calls["fused"] == FORWARDS, (i, q.fusion.calls)
+        assert q.calls["stock"] == 0 and (q.fusion.norm_kernel is not None) == (arch == "qwen3")
+        assert q.fusion.kernel.implementation == f"native-{backend_of(None)}"
+    for c, o in zip(cache, own):
+        assert (c.offset, c.bits, c.group_size) == (o.offset, bits, gs)
+        assert [x.shape for x in (*c.keys, *c.values)] == [x.shape for x in (*o.keys, *o.values)]
+
+
+def test_generate_step_kv_bits_converts_to_the_drop_in_quantized_cache(native_artifacts):
+    """generate_step(kv_bits=..., quantized_kv_start=4) converts the float drop-in caches with their
+    to_quantized: the result is the drop-in QuantizedKVCache (mlx-lm's name and state), the tokens
+    stock's."""
+    model = model_of("llama")
+    kw = dict(kv_bits=8, kv_group_size=64, quantized_kv_start=4)
+    want = stock_or_skip(model, stock.make_prompt_cache(model), **kw)
+    cache = make_prompt_cache(model)
+    assert_close(run(model, cache, **kw), want)
+    assert all(isinstance(c, mq.QuantizedKVCache) and c.bits == 8 for c in cache)
+    assert all(q.fusion.calls["fused"] > 0 for q in mc.fused_model(model).quant[(8, 64)].values())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_cuda_attention_path_on_any_device(native_artifacts, monkeypatch, bits):
+    """The attention the caches run on CUDA (where MLX 0.32.4's quantized_matmul has no kernel for these
+    shapes): the valid rows dequantized and MLX's fused sdpa. Forced here on the default device: the
+    tokens of mlx-lm's own quantized attention."""
+    model = model_of("llama")
+    want = stock_or_skip(model, stock_quantized(model, bits, 64))
+    monkeypatch.setattr(mq, "_backend", lambda quant: "cuda")
+    cache = make_prompt_cache(model, kv_bits=bits, kv_group_size=64)
+    got = run(model, cache)
+    assert_close(got, want, atol=LOGPROB_ATOL * (4 if bits == 4 else 1))
+    assert all(q.calls["dequantized"] > 0 and q.calls["mlx-lm"] == 0 for q in mc.fused_model(model).quant[(bits, 64)].values())
+
+
+def test_unfused_layers_write_through_the_quantized_store(native_artifacts):
+    """smollm3's NoPE layer (3) is not fused: its keys arrive as the forward made them and
+    kv_quant_pool_store quantizes them into the buffers; the RoPE layers fuse; tokens as stock."""
+    model = model_of("smollm3 (NoPE layers)")
+    want = stock_or_skip(model, stock_quantized(model, 8, 64))
+    cache = make_prompt_cache(model, kv_bits=8, kv_group_size=64)
+    assert_close(run(model, cache), want)
+    plan = mc.fused_model(model).quant[(8, 64)]
+    assert plan[3].fusion is None and plan[3].calls["store"] == FORWARDS and plan[3].calls["stock"] == 0
+    assert all(plan[i].fusion.calls["fused"] == FORWARDS for i in (0, 1, 2))
+    assert "the layer applies no RoPE (NoPE)" in plan[3].describe()
+    text = mc.fused_model(model).explain()
+    assert "layers 0-2, quantized 8-bit, group size 64: writes rope_quant_pool_fused" in text
+    assert "layers 3, quantized 8-bit, group size 64: writes kv_quant_pool_store" in text
+
+
+def test_a_format_without_kernels_runs_mlx_lms_own_writes(native_artifacts):
+    """3-bit: no kernel implements it (their requires say why); the caches still are the drop-in class,
+    writing through mlx-lm's own update, and give stock's tokens."""
+    model = model_of("llama")
+    want = stock_or_skip(model, stock_quantized(model, 3, 64))
+    cache = make_prompt_cache(model, kv_bits=3, kv_group_size=64)
+    assert_close(run(model, cache), want)
+    plan = mc.fused_model(model).quant[(3, 64)]
+    assert all(q.fusion is None and q.store is None and q.calls["stock"] == FORWARDS for q in plan.values())
+    assert "kv_quant_pool_store not selected: the KV cache is not 4- or 8-bit" in plan[0].describe()
+
+
+def test_save_and_load_in_mlx_lms_own_format(native_artifacts, tmp_path):
+    """save_prompt_cache writes mlx-lm's file (stock load_prompt_cache reads QuantizedKVCache objects);
+    load_prompt_cache here binds them again, and the generation continues as the original does."""
+    model = model_of("qwen3")
+    cache = make_prompt_cache(model, kv_bits=8, kv_group_size=64)
+    run(model, cache, n=3)
+    path = str(tmp_path / "q.safetensors")
+    stock.save_prompt_cache(path, cache, {"who": "test"})
+    plain = stock.load_prompt_cache(path)
+    assert [type(c) for c in plain] == [stock.QuantizedKVCache] * 2
+    for a, b in zip(plain, cache):
+        assert a.offset == b.offset and (a.bits, a.group_size) == (8, 64)
+        for x, y in zip([*a.keys, *a.values], [*b.keys, *b.values]):
+            assert mx.array_equal(x, y).item()
+    loaded, meta = mc.load_prompt_cache(path, model, return_metadata=True)
+    assert meta == {"who": "test"} and all(isinstance(c, mq.QuantizedKVCache) for c in loaded)
+    twin = copy.deepcopy(cache)
+    assert twin[0]._quant is cache[0]._quant and twin[0].keys[0] is not cache[0].keys[0]
+    assert_close(run(model, loaded, [5, 6], n=4), run(model, twin, [5, 6], n=4))
+
+
+def test_batch_generator_refuses_quantized_caches_as_stock_does(native_artifacts):
+    """mlx-lm 0.32.2 has no quantized batch cache: BatchGenerator merges per-request caches with the
+    class's merge, which QuantizedKVCache lacks (ValueError). The drop-in class is no different."""
+    model = model_of("llama")
+    errors = []
+    for caches in ([stock_quantized(model, 8, 64) for _ in PROMPTS[:2]],
+                   [make_prompt_cache(model, kv_bits=8, kv_group_size=64) for _ in PROMPTS[:2]]):
+        with pytest.raises(ValueError, match="does not yet support batching with history") as e:
+            batch_run(model, PROMPTS[:2], n=2, caches=caches)
+        errors.append(str(e.value).replace("registry.integrations.mlx_lm_quant_cache", "mlx_lm.models.cache"))
+    assert errors[0] == errors[1]
+
+
+def test_mlx_lms_own_quantized_caches_keep_mlx_lms_attention(native_artifacts, monkeypatch):
+    """The wrapped quantized_scaled_dot_product_attention sends only the drop-in caches' keys to them:
+    mlx-lm's own QuantizedKVCache gets mlx-lm's function, bit for bit as without the wrapper."""
+    base = import_mlx_lm_module("base")
+    model = model_of("llama")
+    make_prompt_cache(model, kv_bits=8, kv_group_size=64)          # installs the wrapper (once)
+    wrapper = base.quantized_scaled_dot_product_attention
+    assert wrapper._mlx_aot_wrapped and not getattr(wrapper.__wrapped__, "_mlx_aot_wrapped", False)
+    got = stock_or_skip(model, stock_quantized(model, 8, 64))
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", wrapper.__wrapped__)
+    want = run(model, stock_quantized(model, 8, 64))
+    assert got[0] == want[0]
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(kv_bits=7), r"make_prompt_cache: kv_bits must be one of 2, 3, 4, 5, 6, 8 \(mx.quantize's affine "
+                      r"formats\), got 7"),
+    (dict(kv_bits=8, kv_group_size=48), r"kv_group_size must be one of 32, 64, 128, got 48"),
+    (dict(kv_bits=True), r"kv_bits must be one of"),
+])
+def test_bad_formats_name_the_argument(kw, message):
+    with pytest.raises(ValueError, match=message):
+        make_prompt_cache(model_of("llama"), **kw)
+
+
+def test_rotating_caches_stay_float(native_artifacts):
+    """mlx-lm cannot quantize a rotating cache (its to_quantized raises): gemma3's sliding-window layers
+    keep the float drop-in RotatingKVCache, its global layers get the quantized class; the tokens of the
+    same mix of mlx-lm's own caches."""
+    model = model_of("gemma3")
+    own = stock_quantized(model, 8, 32)     # gemma3's tiny head_dim is 32
+    want = stock_or_skip(model, own)
+    cache = make_prompt_cache(model, kv_bits=8, kv_group_size=32)
+    assert [type(c).__name__ for c in cache] == [type(c).__name__ for c in own]
+    assert {type(c) for c in cache} == {mc.RotatingKVCache, mq.QuantizedKVCache}
+    assert_close(run(model, cache), want)
