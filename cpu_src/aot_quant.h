@@ -27,6 +27,12 @@ struct QuantPool {
   typename S::storage* biases;
 };
 
+// The pool group whose words are argument i (then its scales and biases, of storage S).
+template <typename S>
+inline QuantPool<S> quant_pool(void** args, int i) {
+  return {buffer<uint32_t>(args, i), buffer<typename S::storage>(args, i + 1), buffer<typename S::storage>(args, i + 2)};
+}
+
 // Quantize `dim` fp32 values into a pool row: dim * bits / 32 words, dim / gs scales and biases.
 // MLX 0.32.4's CPU quantize (mlx/backend/cpu/quantized.cpp), operation for operation.
 template <typename S>
@@ -65,6 +71,22 @@ inline void quantize_row(const float* x, int dim, int bits, int gs, uint32_t* wo
     }
     scales[g] = S::store(scale);
     biases[g] = S::store(bias);
+  }
+}
+
+// The fp32 values of a quantized row: q * scale + bias per feature (the stored scale and bias, fp32
+// math with no rounding between: mx.dequantize rounds the result to the scales' type once more).
+template <typename S>
+inline void dequantize_row(const uint32_t* words, const typename S::storage* scales, const typename S::storage* biases,
+                           int dim, int bits, int gs, float* out) {
+  const int per_word = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1u;
+  for (int g = 0; g < dim / gs; ++g) {
+    const float scale = S::load(scales[g]), bias = S::load(biases[g]);
+    for (int d = g * gs; d < (g + 1) * gs; ++d) {
+      const uint32_t q = (words[d / per_word] >> ((d % per_word) * bits)) & mask;
+      out[d] = static_cast<float>(q) * scale + bias;
+    }
   }
 }
 

@@ -4,24 +4,19 @@
 #include <cstdint>
 #include <vector>
 
-#include "aot_cpu.h"
 #include "aot_quant.h"
-
-#define AOT_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
-using aot_cpu::buffer;
-using aot_cpu::scalar;
-
 template <typename A>
 void run(void** args) {
+  using aot_cpu::buffer;
+  using aot_cpu::scalar;
   using TA = typename A::storage;
   const TA* k = buffer<const TA>(args, 0);
   const TA* v = buffer<const TA>(args, 1);
   // The scales and biases have the activations' dtype (mlx-lm keeps them in the keys' dtype).
-  const aot_cpu::QuantPool<A> kp{buffer<uint32_t>(args, 2), buffer<TA>(args, 3), buffer<TA>(args, 4)};
-  const aot_cpu::QuantPool<A> vp{buffer<uint32_t>(args, 5), buffer<TA>(args, 6), buffer<TA>(args, 7)};
+  const auto kp = aot_cpu::quant_pool<A>(args, 2), vp = aot_cpu::quant_pool<A>(args, 5);
   const int32_t* slots = buffer<const int32_t>(args, 8);
   const int n_tokens = scalar<int32_t>(args, 9);
   const int pool_size = scalar<int32_t>(args, 10);

@@ -4,27 +4,22 @@
 #include <cstdint>
 #include <vector>
 
-#include "aot_cpu.h"
 #include "aot_quant.h"
 #include "aot_rope.h"
 
-#define AOT_EXPORT extern "C" __attribute__((visibility("default")))
-
 namespace {
-
-using aot_cpu::buffer;
-using aot_cpu::scalar;
 
 template <typename A>
 void run(void** args) {
+  using aot_cpu::buffer;
+  using aot_cpu::scalar;
   using T = typename A::storage;
   const T* q = buffer<const T>(args, 0);
   const T* k = buffer<const T>(args, 1);
   const T* v = buffer<const T>(args, 2);
   T* q_out = buffer<T>(args, 3);
   T* k_out = buffer<T>(args, 4);
-  const aot_cpu::QuantPool<A> kp{buffer<uint32_t>(args, 5), buffer<T>(args, 6), buffer<T>(args, 7)};
-  const aot_cpu::QuantPool<A> vp{buffer<uint32_t>(args, 8), buffer<T>(args, 9), buffer<T>(args, 10)};
+  const auto kp = aot_cpu::quant_pool<A>(args, 5), vp = aot_cpu::quant_pool<A>(args, 8);
   const int32_t* positions = buffer<const int32_t>(args, 11);
   const int32_t* slots = buffer<const int32_t>(args, 12);
   const float* table = buffer<const float>(args, 13);

@@ -367,3 +367,40 @@ def test_quant_sanitizer_catches_a_missing_bound(emu_cache, quant_libs, name, ol
     with pytest.raises(SanitizerError, match=r"WRITE of 4 bytes at byte -?\d+ of buffer\(\d+\) [kv]_pool"):
         call(quant_kernel(quant_libs, name, rope, None, fmt, lib=lib))
 
+
+
+# ----------------------------------------------------------------------------- quantized decode attention
+
+@pytest.fixture(scope="module")
+def daq_lib(emu_cache):
+    return compile_kernel(MANIFEST.kernel("decode_attention_quantized"), emu_cache)
+
+
+@pytest.mark.parametrize("layout, bits, gs, L, window, softcap, dtype", [
+    ("head-major", 8, 64, 1, 0, 0.0, "float32"),
+    ("head-major", 4, 32, 3, 5, 0.0, "bfloat16"),     # ring order, causal among three queries, a window
+    ("slot-major", 4, 128, 2, 0, 20.0, "float16"),    # a table with padding, soft-capping
+])
+def test_quantized_decode_attention_parity(daq_lib, layout, bits, gs, L, window, softcap, dtype):
+    """The Metal kernel against decode_attention's oracle on the pools' fp32 values, every buffer at its
+    exact size (ASan): padding slots of the table and rows past kv_len are never read."""
+    from registry.kernels._base import PoolFormat
+    from registry.kernels.decode_attention_quantized import DecodeAttentionQuantizedKernel
+    from tests.test_decode_attention import oracle
+    from tests.test_decode_attention_quantized import TOL, arr, check, fp32, quantized
+
+    rng = np.random.default_rng(bits + L)
+    fmt, D, dt = PoolFormat(bits, gs), 128, MX_DTYPES[dtype]
+    q = arr(rng, (2, 4, L, D), dt)
+    if layout == "head-major":
+        kp, vp = quantized(arr(rng, (2, 2, 10, D), dt), fmt), quantized(arr(rng, (2, 2, 10, D), dt), fmt)
+        kv_len, kv_end, table = mx.array([10, 6], dtype=mx.int32), mx.array([4, 10], dtype=mx.int32), None
+    else:
+        kp, vp = quantized(arr(rng, (9, 2, D), dt), fmt), quantized(arr(rng, (9, 2, D), dt), fmt)
+        table = mx.array([[3, 0, 8, 5], [7, -1, 9, INT32_MAX]], dtype=mx.int32)
+        kv_len = kv_end = mx.array([4, 4], dtype=mx.int32)
+    kernel = emulated(DecodeAttentionQuantizedKernel, daq_lib, "decode_attention_quantized", fmt, seed=L)
+    got = kernel(q, kp, vp, kv_len, kv_end, table, scale=0.09, window=window, softcap=softcap, check=False)
+    want = oracle(q, fp32(kp, fmt), fp32(vp, fmt), kv_len, kv_end, None if table is None else np.array(table), 0.09,
+                  window, softcap)
+    check(got, want, dt, TOL)

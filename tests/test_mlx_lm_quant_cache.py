@@ -9,7 +9,6 @@ host too)."""
 from __future__ import annotations
 
 import copy
-import importlib
 
 import mlx.core as mx
 import numpy as np
@@ -20,11 +19,9 @@ from registry.integrations import mlx_lm_cache as mc
 from registry.integrations import mlx_lm_quant_cache as mq
 from registry.integrations.coverage import ARCHS
 from registry.integrations.mlx_lm import build_model, import_mlx_lm_module, make_prompt_cache
-from tests.test_mlx_lm_cache import PROMPT, PROMPTS, batch_run
+from tests.test_mlx_lm_cache import NEW, PROMPT, PROMPTS, batch_run, run
 
-gen = importlib.import_module("mlx_lm.generate")
 stock = import_mlx_lm_module("cache")
-NEW = 12
 FORWARDS = NEW + 2       # generate_step: a prefill chunk, then one forward per token and one ahead
 # head_dim 64: every group size divides it (the coverage table's tiny models have 16 or 32)
 WIDE = dict(hidden_size=128, num_attention_heads=4, head_dim=64)
@@ -36,15 +33,6 @@ def model_of(arch: str, dtype=mx.float32):
     return build_model(dict(ARCHS[arch], **WIDE), dtype=dtype)
 
 
-def run(model, cache, prompt=PROMPT, n=NEW, **kw):
-    toks, lps = [], []
-    for (t, lp), _ in zip(gen.generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=cache, **kw),
-                          range(n)):
-        toks.append(int(t))
-        lps.append(np.array(lp.astype(mx.float32)))
-    return toks, np.stack(lps)
-
-
 def stock_quantized(model, bits, gs):
     """mlx-lm's own quantized caches from the first token (what make_prompt_cache(kv_bits=...) mirrors)."""
     return [stock.QuantizedKVCache(group_size=gs, bits=bits) if type(c) is stock.KVCache else c
@@ -53,7 +41,7 @@ def stock_quantized(model, bits, gs):
 
 def stock_or_skip(model, cache, **kw):
     try:
-        return run(model, cache, **kw)
+        return run(model, cache, PROMPT, **kw)
     except RuntimeError as e:   # MLX 0.32.4's CUDA quantized_matmul has no kernel for these shapes
         if "No implementation for problem shape" not in str(e):
             raise
@@ -81,15 +69,46 @@ def test_greedy_tokens_match_mlx_lms_quantized_cache(native_artifacts, arch, bit
     want = stock_or_skip(model, own)
     cache = make_prompt_cache(model, kv_bits=bits, kv_group_size=gs)
     assert all(type(c).__name__ == "QuantizedKVCache" and isinstance(c, mq.QuantizedKVCache) for c in cache)
-    assert_close(run(model, cache), want)
+    assert_close(run(model, cache, PROMPT), want)
     plan = mc.fused_model(model).quant[(bits, gs)]
     for i, q in plan.items():
         assert q.fusion is not None and q.fusion.calls["fused"] == FORWARDS, (i, q.fusion.calls)
+        # decode steps attend through decode_attention_quantized, the prefill chunk through mlx-lm's / MLX's
+        assert q.calls["attention"] == FORWARDS - 1 and q.attention.implementation == f"native-{backend_of(None)}"
         assert q.calls["stock"] == 0 and (q.fusion.norm_kernel is not None) == (arch == "qwen3")
         assert q.fusion.kernel.implementation == f"native-{backend_of(None)}"
     for c, o in zip(cache, own):
         assert (c.offset, c.bits, c.group_size) == (o.offset, bits, gs)
         assert [x.shape for x in (*c.keys, *c.values)] == [x.shape for x in (*o.keys, *o.values)]
+
+
+def test_decode_attention_off_runs_the_fallback_attention(native_artifacts, monkeypatch):
+    """MLX_AOT_DECODE_ATTENTION_QUANTIZED=0: every forward attends through the fallback (mlx-lm's quantized
+    attention here, dequantize + sdpa on CUDA), with the same tokens."""
+    monkeypatch.setenv("MLX_AOT_DECODE_ATTENTION_QUANTIZED", "0")
+    model = model_of("qwen3")
+    want = stock_or_skip(model, stock_quantized(model, 4, 32))
+    cache = make_prompt_cache(model, kv_bits=4, kv_group_size=32)
+    assert_close(run(model, cache, PROMPT), want, atol=LOGPROB_ATOL * 4)
+    plan = mc.fused_model(model).quant[(4, 32)]
+    fallback = "dequantized" if backend_of(None) == "cuda" else "mlx-lm"
+    assert all(q.attention is None and q.calls[fallback] == FORWARDS and not q.calls["attention"] for q in plan.values())
+    assert "decode attention not a kernel (disabled by MLX_AOT_DECODE_ATTENTION_QUANTIZED=0)" in plan[0].describe()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kernel_attention_matches_the_fallback_on_any_device(native_artifacts, monkeypatch, bits):
+    """Where mlx-lm's own quantized cache cannot run (CUDA), the oracle of the decode attention kernel
+    is the caches' own fallback attention (dequantize + MLX's sdpa there, mlx-lm's quantized attention
+    on the CPU): the same caches' tokens, log-probs within LOGPROB_ATOL."""
+    model = model_of("qwen3")
+    want = run(model, make_prompt_cache(model, kv_bits=bits, kv_group_size=64), PROMPT)
+    assert all(q.calls["attention"] == FORWARDS - 1 for q in mc.fused_model(model).quant[(bits, 64)].values())
+    monkeypatch.setenv("MLX_AOT_DECODE_ATTENTION_QUANTIZED", "0")
+    other = model_of("qwen3")
+    assert_close(run(other, make_prompt_cache(other, kv_bits=bits, kv_group_size=64), PROMPT), want,
+                 atol=LOGPROB_ATOL * (4 if bits == 4 else 1))
+    assert all(q.attention is None for q in mc.fused_model(other).quant[(bits, 64)].values())
 
 
 def test_generate_step_kv_bits_converts_to_the_drop_in_quantized_cache(native_artifacts):
@@ -100,7 +119,7 @@ def test_generate_step_kv_bits_converts_to_the_drop_in_quantized_cache(native_ar
     kw = dict(kv_bits=8, kv_group_size=64, quantized_kv_start=4)
     want = stock_or_skip(model, stock.make_prompt_cache(model), **kw)
     cache = make_prompt_cache(model)
-    assert_close(run(model, cache, **kw), want)
+    assert_close(run(model, cache, PROMPT, **kw), want)
     assert all(isinstance(c, mq.QuantizedKVCache) and c.bits == 8 for c in cache)
     assert all(q.fusion.calls["fused"] > 0 for q in mc.fused_model(model).quant[(8, 64)].values())
 
@@ -114,9 +133,11 @@ def test_the_cuda_attention_path_on_any_device(native_artifacts, monkeypatch, bi
     want = stock_or_skip(model, stock_quantized(model, bits, 64))
     monkeypatch.setattr(mq, "_backend", lambda quant: "cuda")
     cache = make_prompt_cache(model, kv_bits=bits, kv_group_size=64)
-    got = run(model, cache)
+    got = run(model, cache, PROMPT)
     assert_close(got, want, atol=LOGPROB_ATOL * (4 if bits == 4 else 1))
-    assert all(q.calls["dequantized"] > 0 and q.calls["mlx-lm"] == 0 for q in mc.fused_model(model).quant[(bits, 64)].values())
+    # the prefill chunk dequantizes; the decode steps go to the kernel
+    assert all(q.calls["dequantized"] == 1 and q.calls["attention"] == FORWARDS - 1 and q.calls["mlx-lm"] == 0
+               for q in mc.fused_model(model).quant[(bits, 64)].values())
 
 
 def test_unfused_layers_write_through_the_quantized_store(native_artifacts):
@@ -125,7 +146,7 @@ def test_unfused_layers_write_through_the_quantized_store(native_artifacts):
     model = model_of("smollm3 (NoPE layers)")
     want = stock_or_skip(model, stock_quantized(model, 8, 64))
     cache = make_prompt_cache(model, kv_bits=8, kv_group_size=64)
-    assert_close(run(model, cache), want)
+    assert_close(run(model, cache, PROMPT), want)
     plan = mc.fused_model(model).quant[(8, 64)]
     assert plan[3].fusion is None and plan[3].calls["store"] == FORWARDS and plan[3].calls["stock"] == 0
     assert all(plan[i].fusion.calls["fused"] == FORWARDS for i in (0, 1, 2))
@@ -141,7 +162,7 @@ def test_a_format_without_kernels_runs_mlx_lms_own_writes(native_artifacts):
     model = model_of("llama")
     want = stock_or_skip(model, stock_quantized(model, 3, 64))
     cache = make_prompt_cache(model, kv_bits=3, kv_group_size=64)
-    assert_close(run(model, cache), want)
+    assert_close(run(model, cache, PROMPT), want)
     plan = mc.fused_model(model).quant[(3, 64)]
     assert all(q.fusion is None and q.store is None and q.calls["stock"] == FORWARDS for q in plan.values())
     assert "kv_quant_pool_store not selected: the KV cache is not 4- or 8-bit" in plan[0].describe()
@@ -152,7 +173,7 @@ def test_save_and_load_in_mlx_lms_own_format(native_artifacts, tmp_path):
     load_prompt_cache here binds them again, and the generation continues as the original does."""
     model = model_of("qwen3")
     cache = make_prompt_cache(model, kv_bits=8, kv_group_size=64)
-    run(model, cache, n=3)
+    run(model, cache, PROMPT, n=3)
     path = str(tmp_path / "q.safetensors")
     stock.save_prompt_cache(path, cache, {"who": "test"})
     plain = stock.load_prompt_cache(path)
@@ -191,7 +212,7 @@ def test_mlx_lms_own_quantized_caches_keep_mlx_lms_attention(native_artifacts, m
     assert wrapper._mlx_aot_wrapped and not getattr(wrapper.__wrapped__, "_mlx_aot_wrapped", False)
     got = stock_or_skip(model, stock_quantized(model, 8, 64))
     monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", wrapper.__wrapped__)
-    want = run(model, stock_quantized(model, 8, 64))
+    want = run(model, stock_quantized(model, 8, 64), PROMPT)
     assert got[0] == want[0]
     np.testing.assert_array_equal(got[1], want[1])
 
@@ -217,4 +238,4 @@ def test_rotating_caches_stay_float(native_artifacts):
     cache = make_prompt_cache(model, kv_bits=8, kv_group_size=32)
     assert [type(c).__name__ for c in cache] == [type(c).__name__ for c in own]
     assert {type(c) for c in cache} == {mc.RotatingKVCache, mq.QuantizedKVCache}
-    assert_close(run(model, cache), want)
+    assert_close(run(model, cache, PROMPT), want)

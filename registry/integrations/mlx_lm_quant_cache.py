@@ -14,8 +14,8 @@ What runs, per layer and format (`QuantLayer`):
     kv_quant_pool_store. Either quantizes the rows into the buffers in place, bit for bit
     mx.quantize on the backend. Without the kernel (not selected: another format, an unfused rope
     and so on) mlx-lm's own mx.quantize and slice assignment;
-  - attention (`QuantizedKVCache.attend`): up to 8 query tokens on the quantized decode attention
-    kernel where selected; else mlx-lm's own quantized attention (mx.quantized_matmul) on the CPU and
+  - attention (`QuantizedKVCache.attend`): up to 8 query tokens (mask None or "causal") on
+    decode_attention_quantized where selected; else mlx-lm's own quantized attention (mx.quantized_matmul) on the CPU and
     Metal, and on CUDA, where MLX 0.32.4's quantized_matmul has no kernel for these shapes, the valid
     rows dequantized (mx.dequantize of [0, offset)) and MLX's fused sdpa: so prefill chunks dequantize
     the whole valid range once per chunk. The model's attention code reaches it through mlx-lm's own
@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..core import default_registry
+from ..native import device_arange
 from ..kernels._base import PoolFormat
 from .mlx_lm import import_mlx_lm_module
 from .mlx_lm_cache import Fusion, FusedModel, _adopt, _Fused, _rows_index, _steps
@@ -211,7 +212,16 @@ class QuantizedKVCache(_Fused, _stock.QuantizedKVCache):
         self._room(prev, k, v)
         q, k = self._write(q, k, v, *_rows_index(prev, k.shape, self.keys[0].shape[2], self._fusion.backend), weights)
         self.__dict__["_fused_off"] = prev + k.shape[2]
+        if self.__dict__.get("_direct"):      # direct_attend reads the buffers: no slices to build
+            return q, k, QuantRows(self.keys, self), QuantRows(self.values, self)
         return (q, k, *self.keys_and_values())
+
+    def direct_update(self, attn, q, k, v, norms):
+        self.__dict__["_direct"] = True
+        try:
+            return super().direct_update(attn, q, k, v, norms)
+        finally:
+            self.__dict__["_direct"] = False
 
     def _plain_update(self, keys, values):
         """Rows the forward rotated itself: kv_quant_pool_store into the buffers in place, else
@@ -242,12 +252,16 @@ class QuantizedKVCache(_Fused, _stock.QuantizedKVCache):
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
         """Attention of queries [B, Hq, L, D] over this cache's valid rows (module docstring)."""
         quant = self._quant
+        B, _, L, _ = queries.shape
+        if quant is not None and quant.attention is not None and L <= MAX_DECODE and (mask is None or (
+                isinstance(mask, str) and mask == "causal")):
+            # the rows [0, offset) of every batch row, causal among the L queries: the kernel's own ranges
+            n = self.__dict__["_fused_off"]
+            ends = device_arange(n, B, 0, quant.attention.backend) if B > 1 else \
+                device_arange(n, 1, 1, quant.attention.backend)
+            quant.calls["attention"] += 1
+            return quant.attention(queries, self.keys, self.values, ends, ends, scale=scale, check=False)
         keys, values = self.keys_and_values()
-        if quant is not None and quant.attention is not None and queries.shape[2] <= MAX_DECODE:
-            out = quant.attention.attend_cache(self, queries, scale, mask)
-            if out is not None:
-                quant.calls["attention"] += 1
-                return out
         if _backend(quant) == "cuda":
             k = mx.dequantize(*keys, group_size=self.group_size, bits=self.bits)
             v = mx.dequantize(*values, group_size=self.group_size, bits=self.bits)

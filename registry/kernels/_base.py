@@ -107,6 +107,23 @@ class PoolFormat:
 FLOAT_POOLS = PoolFormat()
 
 
+class FormatConfig:
+    """Mixed in before a kernel class whose objects are configured by a quantized cache's PoolFormat
+    (the selection context's kv_bits and kv_group_size): `self.fmt`."""
+
+    def __init__(self, fmt: PoolFormat, **kw):
+        super().__init__(fmt, **kw)
+        self.fmt = fmt
+
+    @classmethod
+    def config_from(cls, ctx: SelectionContext) -> PoolFormat:
+        return PoolFormat(ctx.kv_bits, ctx.kv_group_size)
+
+    @classmethod
+    def context_fields(cls, fmt: PoolFormat) -> dict:
+        return dict(kv_bits=fmt.bits, kv_group_size=fmt.group_size)
+
+
 class PoolGeometry:
     """A pool's layout read off its rank: slot-major [S, Hkv, W] (slot s is row s) or head-major
     [B, Hkv, S, W] (mlx-lm's KVCache; slot = b * S + s). `size` = total slots, `rows` = S, `dim` = W

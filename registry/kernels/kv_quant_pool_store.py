@@ -14,9 +14,9 @@ check_slots=True, as is a valid slot given twice). Always rebind the six pools.
 
 from __future__ import annotations
 
-from ..core import DTYPE_NAMES, SelectionContext
+from ..core import DTYPE_NAMES
 from ..errors import KernelArgumentError
-from ._base import (PoolFormat, PoolGeometry, PoolKernel, act_scalars, check_activations, check_arrays, check_index,
+from ._base import (FormatConfig, PoolFormat, PoolGeometry, PoolKernel, act_scalars, check_activations, check_arrays, check_index,
                     check_pools, group_rows, rows_of, shape_str, store_group, to_rows)
 
 KERNEL_NAME = "kv_quant_pool_store"
@@ -45,22 +45,10 @@ def pool_format(kernel: str, bits, group_size) -> PoolFormat:
     return PoolFormat(bits, group_size)
 
 
-class KvQuantPoolStoreKernel(PoolKernel):
+class KvQuantPoolStoreKernel(FormatConfig, PoolKernel):
     NAME = KERNEL_NAME
     ARGS = ("k", "v", "slots", "k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases")
     INPUTS = ("k", "v", "k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases", "slots")
-
-    def __init__(self, fmt: PoolFormat, **kw):
-        super().__init__(fmt, **kw)
-        self.fmt = fmt
-
-    @classmethod
-    def config_from(cls, ctx: SelectionContext) -> PoolFormat:
-        return PoolFormat(ctx.kv_bits, ctx.kv_group_size)
-
-    @classmethod
-    def context_fields(cls, fmt: PoolFormat) -> dict:
-        return dict(kv_bits=fmt.bits, kv_group_size=fmt.group_size)
 
     def validate(self, k, v, slots, *pools) -> None:
         named = dict(zip(self.ARGS[3:], pools))

@@ -106,10 +106,32 @@ lens = mx.array(np.array([2**31 - 1], np.int32))
 out = kernel(mk(1, 32, 1, 128), mk(1, 8, 2048, 128), mk(1, 8, 2048, 128), lens, kv_end[:1], scale=0.1, check=False)
 print("split outputs finite:", bool(mx.all(mx.isfinite(out)).item()))
 """,
+    # quantized pools (8-bit, group 64): table entries and ranges past the pool, a split row
+    "decode_attention_quantized": """
+from registry.kernels._base import PoolFormat
+from tests.test_decode_attention_quantized import native_kernel
+kernel = native_kernel(PoolFormat(8, 64))
+qp = lambda *lead: tuple(mx.quantize(mk(*lead, 8, 128), group_size=64, bits=8))
+q = mk(4, 32, 2, 128)
+big = [2**31 - 1, -(2**31), 10**6, -1]
+table = mx.array(np.array([[S, -1, 2**31 - 1, 0], [-(2**31), 10**6, 1, 2], [0, 1, 2, 3], [3, 2, 1, 0]], np.int32))
+kv_len = mx.array(np.array([4, 4, -5, 2**31 - 1], np.int32))
+out = kernel(q, qp(S), qp(S), kv_len, None, table, scale=0.1, check=False)
+print("slot-major outputs finite:", bool(mx.all(mx.isfinite(out)).item()))
+kv_end = mx.array(np.array(big, np.int32))
+pool = lambda: tuple(x.transpose(0, 2, 1, 3) for x in mx.quantize(mk(4, 6, 8, 128), group_size=64, bits=8))
+out = kernel(q, tuple(mx.contiguous(x) for x in pool()), tuple(mx.contiguous(x) for x in pool()), kv_len, kv_end,
+             scale=0.1, window=3, check=False)
+print("head-major outputs finite:", bool(mx.all(mx.isfinite(out)).item()))
+lens = mx.array(np.array([2**31 - 1], np.int32))
+long = lambda: tuple(mx.contiguous(x.transpose(0, 2, 1, 3)) for x in mx.quantize(mk(1, 2048, 8, 128), group_size=64, bits=8))
+out = kernel(mk(1, 32, 1, 128), long(), long(), lens, kv_end[:1], scale=0.1, check=False)
+print("split outputs finite:", bool(mx.all(mx.isfinite(out)).item()))
+""",
 }
 # What a case prints when nothing was written or read out of range (default: the store kernels' lines).
-EXPECT = {"decode_attention": ["slot-major outputs finite: True", "head-major outputs finite: True",
-                               "split outputs finite: True"]}
+_ATTENTION_LINES = ["slot-major outputs finite: True", "head-major outputs finite: True", "split outputs finite: True"]
+EXPECT = {"decode_attention": _ATTENTION_LINES, "decode_attention_quantized": _ATTENTION_LINES}
 _STORE_LINES = ["slot-major rows written: 4", "head-major rows written: 4"]
 
 KERNELS = [k.name for k in KernelRegistry.from_yaml().manifest.kernels]
