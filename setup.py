@@ -1,9 +1,10 @@
 """mlx-aot-kernels: AOT kernel builds + a kernel registry for MLX inference engines.
 
 `pip install -e '.[cpu]'` (Linux) / `pip install -e .` (macOS) builds the native launcher
-registry._ext with CMake (csrc/). Building a wheel also compiles the kernels this machine can
-target (python -m build_tools compile --target auto) into registry/_artifacts and packages
-kernels.yaml and the kernel sources under registry/_manifest, where the registry finds them.
+registry._ext with CMake (csrc/). Building a wheel also compiles the kernels for every target this
+machine's toolchains build, whatever it runs itself (python -m build_tools compile --target all:
+a wheel is for other hosts), into registry/_artifacts and packages kernels.yaml and the kernel
+sources under registry/_manifest, where the registry finds them.
 """
 
 import os
@@ -71,7 +72,7 @@ class BuildPyWithArtifacts(build_py):
         sys.path.insert(0, str(ROOT))
         from build_tools import compile_kernels
 
-        report = compile_kernels(targets=("auto",), out_dir=pkg / "_artifacts", manifest=manifest_dir / "kernels.yaml",
+        report = compile_kernels(targets=("all",), out_dir=pkg / "_artifacts", manifest=manifest_dir / "kernels.yaml",
                                  log=lambda line: print(line, file=sys.stderr))
         if not report.ok:
             raise RuntimeError("kernel compilation failed while building the wheel; see the output above")
@@ -90,11 +91,18 @@ setup(
     cmdclass={"build_ext": CMakeBuild, "build_py": BuildPyWithArtifacts},
     install_requires=["pyyaml>=6", "click>=8", "numpy>=1.24", "mlx==0.32.4"],
     extras_require={
-        # Linux: plain `mlx` has no libmlx; pick the CPU or the CUDA 13 build.
-        "cpu": ["mlx[cpu]==0.32.4"],
-        "cuda13": ["mlx[cuda13]==0.32.4"],
+        # Linux: plain `mlx` has no libmlx; pick the CPU or the CUDA 13 build. Each comes with the
+        # mlx-lm the drop-in caches are built against (registry/integrations/); on macOS: `.[mlx-lm]`.
+        "cpu": ["mlx[cpu]==0.32.4", "mlx-lm==0.32.2"],
+        "cuda13": ["mlx[cuda13]==0.32.4", "mlx-lm==0.32.2"],
+        "mlx-lm": ["mlx-lm==0.32.2"],
+        # `python -m build_tools bench --plot`
+        "bench": ["matplotlib>=3.7"],
         # nanobind: its headers, for the Metal launcher type-check (tests/test_metal_launcher_compiles.py)
         "test": ["pytest>=8", "mlx-lm==0.32.2", "matplotlib>=3.7", "nanobind==3.0.1"],
     },
-    entry_points={"console_scripts": ["mlx-aot-kernels=build_tools.cli:cli"]},
+    entry_points={"console_scripts": ["mlx-aot-kernels=build_tools.cli:cli",
+                                      # mlx-lm's generate and server commands with the drop-in caches
+                                      "mlx-aot-generate=registry.integrations.generate:main",
+                                      "mlx-aot-server=registry.integrations.server:main"]},
 )

@@ -9,15 +9,17 @@ mlx-lm's BatchKVCache holds a server's prompts), evaluated once per step, median
     boolean mask (what BatchKVCache gives the attention);
   - `mlx_unmasked`: the same call with no mask (a lone KVCache's: it attends to the padding too, so
     it is a speed reference, not an equal result);
-  - `copy`: a copy of the layers' K/V buffers (read + write), whose bandwidth sets the floor.
-floor_us = the K/V bytes the valid rows need, read once, at the copy bandwidth (bytes read and
-written per second). `python -m build_tools bench --kernel decode_attention` runs it.
+  - `copy`: a copy of the layers' K/V buffers (read + write), reported as copy_tb_per_s.
+floor_us = the K/V bytes the valid rows need, read once, at the device's copy bandwidth measured in
+the same run on one 2 GiB buffer (benchmarks.e2e.copy_bandwidth: a small buffer's copy is bound by
+its launch, not by memory). `python -m build_tools bench --kernel decode_attention` runs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -31,6 +33,7 @@ from registry.manifest import load_manifest
 from .runner import time_steps
 
 CELLS = ((1, 16384), (4, 16384), (8, 16384), (32, 16384), (1, 32768), (4, 32768), (32, 2048))
+CPU_CELLS = ((1, 1024), (4, 1024), (4, 4096))      # a 2-core CPU: seconds, not minutes
 TOL = {"float32": 2e-4, "float16": 4e-3, "bfloat16": 3e-2}
 
 
@@ -91,11 +94,13 @@ def run_cell(kernel, B: int, S: int, *, n_q: int, n_kv: int, D: int, dtype, laye
     err = float(mx.max(mx.abs(got - want)).item())
     times = time_steps(dict(kernel=ours, mlx_masked=masked, mlx_unmasked=unmasked, copy=copy), steps, warmup)
     us = {k: t[0] / layers * 1e6 for k, t in times.items()}
+    from .e2e import copy_bandwidth
+
     copy_bytes = 2 * 2 * B * n_kv * rows * D * mx.zeros((), dtype).itemsize   # K and V, read + write
-    bandwidth = copy_bytes / (us["copy"] * 1e-6)
     need = 2 * sum(lens) * n_kv * D * mx.zeros((), dtype).itemsize               # the valid rows, read once
     cell = AttentionCell(B, S, str(dtype).replace("mlx.core.", ""), kernel.implementation,
-                         {k: v for k, v in us.items() if k != "copy"}, need / bandwidth * 1e6, bandwidth / 1e12, err)
+                         {k: v for k, v in us.items() if k != "copy"}, need / copy_bandwidth() * 1e6,
+                         copy_bytes / (us["copy"] * 1e-6) / 1e12, err)
     del keys, vals
     return cell
 
@@ -126,12 +131,16 @@ def row(c: AttentionCell) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.splitlines()[0])
-    p.add_argument("--cells", default=",".join(f"{b}x{s}" for b, s in CELLS), help="comma list of BxS")
+    p.add_argument("--cells", help="comma list of BxS (default: " + ",".join(f"{b}x{s}" for b, s in CELLS)
+                   + "; on the CPU " + ",".join(f"{b}x{s}" for b, s in CPU_CELLS) + ")")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", dest="json_path")
+    p.add_argument("--commit", help="commit to record when the tree has no .git")
     a = p.parse_args(argv)
+    if a.cells is None:
+        a.cells = ",".join(f"{b}x{s}" for b, s in (CPU_CELLS if mx.default_device() == mx.cpu else CELLS))
     try:
         cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
         assert all(len(c) == 2 and c[0] >= 1 and c[1] >= 1 for c in cells)
@@ -144,8 +153,19 @@ def main(argv=None) -> None:
     from registry.native import stats
     print("launcher:", {k: v for k, v in stats().items() if k in ("launches", "copies", "syncs")})
     if a.json_path:
+        import datetime
+        import platform
+        import subprocess
+
+        from .e2e import copy_bandwidth
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(a.json_path, "w") as f:
-            json.dump(dict(device=str(mx.default_device()), cells=[c.to_json() for c in res],
+            json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           host=platform.node(), device=str(mx.default_device()), mlx=mx.__version__,
+                           commit=a.commit or commit or "?", command="python -m benchmarks.attention "
+                           + " ".join(argv if argv is not None else sys.argv[1:]),
+                           copy_tb_per_s=copy_bandwidth() / 1e12, cells=[c.to_json() for c in res],
                            seconds=time.time() - t0), f, indent=1)
 
 

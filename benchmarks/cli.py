@@ -70,6 +70,18 @@ def _output(ctx, param, value: Path | None) -> Path | None:
     return value
 
 
+def _plot_output(ctx, param, value: Path | None) -> Path | None:
+    """--plot: matplotlib must import before anything is measured (a run takes minutes, and its
+    other outputs are written only at the end), then the file as _output checks it."""
+    if value is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise click.BadParameter(f"writing a plot needs matplotlib, which does not import here ({e}): "
+                                     f"pip install -e '.[bench]'") from None
+    return _output(ctx, param, value)
+
+
 def _command() -> str:
     args = sys.argv[1:]
     prog = "python -m build_tools" if args[:1] == ["bench"] else "python -m benchmarks"
@@ -149,7 +161,8 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
 @click.option("--steps", type=click.IntRange(min=20), default=20, show_default=True, help="Timed steps (median).")
 @click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True, help="Untimed steps per case.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=_output, help="Write results here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=_output, help="Write a PNG here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=_plot_output,
+              help="Write a PNG here (needs matplotlib: the `bench` extra).")
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False, path_type=Path), callback=_output,
               help="Write the key results (table per T, targets) as markdown here.")
 @click.option("--from-json", "from_json", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -175,10 +188,13 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
 @click.option("--smoke", is_flag=True,
               help="--e2e: a seconds-long run (tiny-llama, batch 1 and 2, prompt 16, 4 tokens, 1 round; "
                    "filters given with it win).")
-@click.option("--kernel", type=click.Choice(["rope_pool_fused", "qk_norm_rope_pool_fused", "kv_pool_store"]),
+@click.option("--kernel", type=click.Choice(["rope_pool_fused", "qk_norm_rope_pool_fused", "kv_pool_store",
+                                            "decode_attention"]),
               default="rope_pool_fused", show_default=True,
-              help="Which kernel; the last two are micro benchmarks against the MLX ops they replace "
-                   "(benchmarks/micro.py: --shapes, --tokens, --dtypes, --layers, --steps, --warmup, --json apply).")
+              help="Which kernel; qk_norm_rope_pool_fused and kv_pool_store are micro benchmarks against the MLX "
+                   "ops they replace (benchmarks/micro.py: --shapes, --tokens, --dtypes, --layers, --steps, --warmup, "
+                   "--json apply); decode_attention against MLX's masked and unmasked attention and the K/V read "
+                   "floor (benchmarks/attention.py: --dtypes, --layers, --steps, --json, --commit apply).")
 def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
           from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
           smoke, kernel) -> None:
@@ -212,6 +228,19 @@ def _bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup
     bad = [flag(n) for n in e2e_only if given(n)]
     if bad:
         raise click.UsageError(f"{', '.join(bad)}: only with --e2e")
+    if kernel == "decode_attention":
+        from . import attention
+
+        unused = [n for n in ("quick", "shapes", "tokens", "variants", "cases", "plot_path", "md_path", "from_json",
+                              "no_check", "warmup") if given(n)]
+        if unused or (dtypes and len(dtypes) > 1):
+            raise click.UsageError(f"--kernel decode_attention takes --dtypes (one), --layers, --steps, --json, "
+                                   f"--commit; not {', '.join(unused) or '--dtypes with several'}")
+        argv = [f"--dtype={dtypes[0]}" if dtypes else "--dtype=bfloat16", f"--layers={layers}", f"--steps={steps}"]
+        argv += [f"--json={json_path}"] if json_path else []
+        argv += [f"--commit={commit}"] if commit else []
+        attention.main(argv)
+        return
     if kernel != "rope_pool_fused":
         _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_path, commit, no_check,
                other=dict(variants=variants, cases=cases, plot=plot_path, markdown=md_path, from_json=from_json))
@@ -311,6 +340,10 @@ def _e2e_report(cells, skipped, info, command, json_path, plot_path, md_path) ->
     click.echo("")
     for name, met, evidence in report.e2e_targets(cells, info["backend"]):
         click.echo(f"{'MET    ' if met else 'NOT MET'} {name}: {evidence}")
+    summary = report.dropin_summary(cells)
+    if summary:
+        click.echo("\nThe drop-in cache over stock mlx-lm, decode tokens/s (stock → drop-in), as markdown "
+                   "(README.md's table):\n" + summary)
     if json_path:
         report.write_e2e_json(json_path, cells, skipped, info, command)
         click.echo(f"wrote {json_path}", err=True)

@@ -1,11 +1,19 @@
 """End-to-end greedy decode on real-size mlx-lm models with random weights: mlx-lm's own loop, the
 slot engine in each mode, and mlx-lm's loop on the project's drop-in cache (`bench --e2e`).
 
-Each cell (size, dtype, batch, prompt length) builds `batch` random prompts, runs every mode once
+Each cell (size, dtype, batch, prompt length) builds `batch` random prompts (in a batch, the nominal
+length for half the rows and three quarters of it for the other half, as a server's prompts differ:
+the batch caches' left padding is real), runs every mode once
 untimed (short), then `rounds` timed rounds, the modes round-robin inside each round (a transient
 slowdown of the host hits every mode alike), and keeps the median per mode. A run is timed from the
 first model call to the first generated token of every request (prefill) and from there to the
 last token (decode: batch x (decode_tokens - 1) tokens).
+
+Every cell records `floor_tokens_per_s`: the batch's tokens per decode step over the time one step
+needs at least, its bytes (the weights a step reads: every parameter, less the embedding table where
+the output head is a separate matrix, plus each layer's K/V rows at the middle of the decode, a
+sliding layer's at most its window) at the copy bandwidth measured in the same run
+(`copy_bandwidth`: a 2 GiB device copy, read + write).
 
 What each mode runs (mlx-lm 0.32.2's own loops, not a copy of them):
   - mlx_lm: batch 1 through `mlx_lm.generate.generate_step` (what `generate`/`stream_generate`
@@ -29,6 +37,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from registry.integrations.tolerance import HALF_LOGIT_TOL as BF16_LOGIT_TOL  # docs/engine.md's bound
+
 from .cases import BenchmarkError
 
 MODES = ("mlx_lm", "module", "reference", "fused", "mlx_lm_fused_cache")
@@ -39,7 +49,6 @@ BATCHES, PROMPTS, DECODE_TOKENS, ROUNDS = (1, 8, 32), (128, 2048), 64, 3
 # seconds (bf16/f16 matmuls are not native there), so its cells are shorter.
 CPU_DTYPES, CPU_BATCHES, CPU_PROMPTS, CPU_DECODE_TOKENS = ("bfloat16",), (1, 8), (32, 128), 32
 WARMUP_TOKENS, WARMUP_MAX_PROMPT = 3, 128     # the untimed run per mode: short, same batch
-BF16_LOGIT_TOL = 0.05                          # docs/engine.md: max |engine - mlx-lm| <= 0.05 * max |logit|
 CHECK_PROMPT, CHECK_TOKENS, CHECK_BATCH = 12, 8, 2
 NEAR_TIE = 1e-3                                # float32: a token may flip where mlx-lm's top-2 gap is this close
 
@@ -93,6 +102,13 @@ SIZES: dict[str, Size] = {s.name: s for s in (
          "CPU size: 6 layers (2 sliding of window 64 : 1 global), hidden 256, 4/1 heads, head_dim 64", cpu=True),
 )}
 GPU_SIZES = ("llama-8b", "llama-1b", "qwen3-1.7b", "gemma3-1b")
+# The long-context cells of the decode-attention work (docs/benchmarks/README.md): bench --sizes selects them.
+SIZES.update({s.name: s for s in (
+    Size("qwen3-8b", _qwen3(36, 4096, 32, 8, 128, 12288, 151936), 2,
+         "Qwen3-8B dims: 36 layers, hidden 4096, 32/8 heads, head_dim 128, q/k RMSNorm"),
+    Size("gemma3-4b", _gemma3(34, 2560, 8, 4, 256, 10240, 262208, 1024, 6), 6,
+         "Gemma-3-4B dims: 34 layers (5 sliding of window 1024 : 1 global), hidden 2560, 8/4 heads, head_dim 256"),
+)})
 CPU_SIZES = ("tiny-llama", "tiny-qwen3", "tiny-gemma3")
 
 
@@ -371,9 +387,61 @@ class E2ECell:
     decode_s: list[float] = field(default_factory=list)      # per round
     prefill_s: list[float] = field(default_factory=list)
     implementation: str = ""
+    floor_tokens_per_s: float = 0.0
+    prompt_lengths: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def prompt_lengths(batch: int, prompt: int) -> list[int]:
+    """The nominal length for the even rows, three quarters of it for the odd ones (batch 1: nominal)."""
+    return [prompt if b % 2 == 0 else max(1, prompt * 3 // 4) for b in range(batch)]
+
+
+_BANDWIDTH: dict[str, float] = {}
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device copy (read + write), median of 5, measured once per process
+    (the CPU: 256 MiB)."""
+    key = str(mx.default_device())
+    if key not in _BANDWIDTH:
+        n = (2 << 30 if mx.default_device() != mx.cpu else 256 << 20) // 4
+        x = mx.zeros((n,), dtype=mx.float32)
+        mx.eval(x)
+        times = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            y = x + 1
+            mx.eval(y)
+            times.append(time.perf_counter() - t0)
+            del y
+        _BANDWIDTH[key] = 2 * 4 * n / statistics.median(times[1:])
+        del x
+        mx.clear_cache()
+    return _BANDWIDTH[key]
+
+
+def step_bytes(model, config: dict, lengths: list[int], decode_tokens: int) -> int:
+    """The bytes one decode step must read: the weights (every parameter, less the embedding table
+    when the head is its own matrix: a step reads B rows of it) plus every layer's K/V rows at the
+    middle of the decode (a sliding layer: at most its window)."""
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    weights = sum(v.nbytes for v in params.values())
+    if not config.get("tie_word_embeddings", True):
+        weights -= sum(v.nbytes for k, v in params.items() if k.endswith("embed_tokens.weight"))
+    item = next(iter(params.values())).dtype.size
+    kv_row = 2 * config["num_key_value_heads"] * config.get("head_dim", config["hidden_size"] // config[
+        "num_attention_heads"]) * item
+    pattern, window = config.get("sliding_window_pattern"), config.get("sliding_window")
+    rows = 0
+    for layer in range(config["num_hidden_layers"]):
+        sliding = pattern and window and (layer + 1) % pattern != 0
+        rows += sum(min(n + decode_tokens // 2, window) if sliding else n + decode_tokens // 2 for n in lengths)
+    return weights + rows * kv_row
 
 
 def pool_needed(batch: int, prompt: int, decode_tokens: int) -> int:
@@ -384,7 +452,9 @@ def time_cell(size: Size, model, dtype: str, batch: int, prompt: int, decode_tok
               pool_size: int | None, seed: int = 0) -> tuple[list[E2ECell], dict[str, str]]:
     """Median of `rounds` interleaved rounds per mode; (cells, {skipped mode: why})."""
     rng = np.random.default_rng(seed + 1000 * batch + prompt)
-    prompts = [rng.integers(0, size.config["vocab_size"], prompt).tolist() for _ in range(batch)]
+    lengths = prompt_lengths(batch, prompt)
+    prompts = [rng.integers(0, size.config["vocab_size"], n).tolist() for n in lengths]
+    floor = batch / (step_bytes(model, size.config, lengths, decode_tokens) / copy_bandwidth())
     runner = Modes(model, modes, pool_size or pool_needed(batch, prompt, decode_tokens))
     warm = [p[:WARMUP_MAX_PROMPT] for p in prompts]
     for m in list(runner.modes):
@@ -410,11 +480,12 @@ def time_cell(size: Size, model, dtype: str, batch: int, prompt: int, decode_tok
         n = decode_tokens - 1
         cells.append(E2ECell(size.name, batch, prompt, dtype, m, decode_tokens,
                              decode_tokens_per_s=batch * n / dec if dec > 0 else 0.0,
-                             prefill_tokens_per_s=batch * prompt / pre if pre > 0 else 0.0,
+                             prefill_tokens_per_s=sum(lengths) / pre if pre > 0 else 0.0,
                              decode_ms_per_step=dec / n * 1e3 if n else 0.0, rounds=rounds,
                              decode_s=[round(t[1], 6) for t in times[m]],
                              prefill_s=[round(t[0], 6) for t in times[m]],
-                             implementation=runner.implementation.get(m, "mlx-lm")))
+                             implementation=runner.implementation.get(m, "mlx-lm"),
+                             floor_tokens_per_s=floor, prompt_lengths=lengths))
     skipped = dict(runner.skipped)
     del runner
     gc.collect()

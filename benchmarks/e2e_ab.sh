@@ -1,6 +1,6 @@
 #!/bin/bash
 # A/B of this tree against another commit's, on one host, in ABBA order: the host's speed drifts
-# between minutes (docs/benchmarks/e2e-h200.md), so each bench runs new, old, then later old, new.
+# between minutes (docs/benchmarks/README.md, "Reading the numbers"), so each bench runs new, old, then later old, new.
 #   bash benchmarks/e2e_ab.sh OLD_TREE OUT_DIR NEW_COMMIT OLD_COMMIT "BENCH ARGS" ["BENCH ARGS" ...]
 # OLD_TREE: the other commit exported (git archive OLD | tar x -C OLD_TREE) with this tree's built
 # registry/_ext*.so and registry/_artifacts copied in, which holds only where the kernels' sources

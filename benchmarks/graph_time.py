@@ -5,7 +5,7 @@ queue step n+1, then read token n), the host's part of it (build + queue) and th
 steps (or 3 prefills of fresh caches, --prefill) of one cache inside cuProfilerStart/Stop, each
 evaluated on its own, so that ncu times every CUDA graph MLX launches as one workload: the GPU's time
 per step including the gaps between its kernels, which per-kernel times leave out.
-docs/benchmarks/e2e-root-cause.md, section 10.
+docs/benchmarks/e2e-root-cause.md, "Open".
 
     python -m benchmarks.graph_time --size llama-1b [--rounds 4] [--steps 48]
     ncu --graph-profiling graph --cache-control none --profile-from-start off \\

@@ -6,7 +6,7 @@ stream's end) are timed apart, per node, median of --steps, the kinds in interle
 pool row store, as mlx_lm's slot caches write) and `add`. With the number of inputs and outputs of
 each kind beside it, this tells the launcher's per-node cost from MLX's own. On a GPU host the eval
 column also holds the CUDA graph's build, update and launch, and the GPU's time (tiny at decode
-sizes). docs/benchmarks/e2e-root-cause.md, section 15.
+sizes). docs/benchmarks/e2e-root-cause.md, "A decode step is bound by the host, per graph node".
 
     python -m benchmarks.node_cost [--nodes 32] [--tokens 8] [--steps 40] [--kinds aot_qk_norm,rms_norm]
 """

@@ -1,7 +1,7 @@
 """The slot engine's pool reads and writes in MLX's own ops, slot-major `[S, H, D]` (the engine's
 pools) against head-major `[1, H, S, D]` (mlx-lm's cache layout), on the current device: a batch's
 gather of its context slots, a lone request's run read as a view, and a decode step's write of one
-row per request. Why the engine's pools stay slot-major: docs/benchmarks/e2e-root-cause.md, section 12.
+row per request. Why the engine's pools stay slot-major: docs/benchmarks/e2e-root-cause.md, "The slot engine".
 
     python -m benchmarks.pool_layout [--shapes 32x192x8x128,8x192x8x64] [--layers 32]
 

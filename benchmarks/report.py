@@ -143,6 +143,8 @@ def _check_values(path: Path, i: int, c: dict, kinds: dict) -> None:
     """cells[i] holds each field as the report computes with it (kinds: a type tuple, "times" a dict
     of numbers or nulls, "list" a list of numbers)."""
     for k, kind in kinds.items():
+        if k not in c:                      # an optional field (load_e2e_json checked the required ones)
+            continue
         v = c[k]
         if kind == "times":
             ok = isinstance(v, dict) and all(x is None or isinstance(x, _NUMBER) for x in v.values())
@@ -237,7 +239,8 @@ def write_markdown(path: Path, cells: list[Cell], info: dict, command: str) -> N
 
 def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
     """Three panels against T, one line per shape (median over variants and dtypes, band = min..max):
-    speedup vs MLX's path, fused ÷ trivial op, and share of the copy bandwidth, with the targets drawn."""
+    speedup vs MLX's path, fused ÷ trivial op, and share of the copy bandwidth, with the targets
+    drawn; every y axis linear from 0."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -271,7 +274,6 @@ def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
         ax.set_xticks(ts, [str(t) for t in ts])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_yscale("log")
     axes[0].axhline(1.0, color="k", lw=1.0, label="MLX's path (1x)")
     axes[1].axhline(1.0, color="k", lw=1.0)
     if backend == "cpu":
@@ -281,10 +283,9 @@ def plot(path: Path, cells: list[Cell], title: str, backend: str) -> None:
         axes[1].axhline(DECODE_MAX_RATIO, color="r", ls="--", label=f"target <= {DECODE_MAX_RATIO}x (T <= {DECODE_MAX_T})")
         axes[2].axhline(PREFILL_MIN_SHARE, color="r", ls="--",
                         label=f"target >= {PREFILL_MIN_SHARE:.0%} (T >= {PREFILL_MIN_T})")
-    lo, hi = axes[0].get_ylim()
-    ticks = [t for t in (0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if lo <= t <= hi] or [1]
-    axes[0].set_yticks(ticks, [f"{t:g}x" for t in ticks])
-    axes[0].yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    for ax in axes[:2]:       # ratios on a linear axis from 0: a bar's height is the ratio
+        ax.set_ylim(0, ax.get_ylim()[1])
+    axes[0].yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda t, _: f"{t:g}x"))
     half = [c for c in cells if c.dtype in HALF] or cells   # what panel 3 shows
     axes[2].set_ylim(0, max(1.2, max((c.bandwidth_share() or 0 for c in half), default=0) * 1.05))
     for ax in axes:
@@ -416,13 +417,14 @@ def load_e2e_json(path: Path):
 
     data = _read_doc(path, "bench --e2e --json")
     names = [f.name for f in dataclasses.fields(E2ECell)]
+    optional = ("floor_tokens_per_s", "prompt_lengths")        # files written before the decode-attention work
     cells = []
     for i, c in enumerate(data["cells"]):
-        missing = [k for k in names if not isinstance(c, dict) or k not in c]
+        missing = [k for k in names if (not isinstance(c, dict) or k not in c) and k not in optional]
         if missing:
             raise ValueError(f"{path}: cells[{i}] lacks {', '.join(missing)} (not a `bench --e2e --json` file?)")
         _check_values(path, i, c, _E2E_KINDS)
-        cells.append(E2ECell(**{k: c[k] for k in names}))
+        cells.append(E2ECell(**{k: c[k] for k in names if k in c}))
     skipped = data.get("skipped", [])
     if not isinstance(skipped, list) or not all(isinstance(s, dict) and isinstance(s.get("mode"), str)
                                                 and isinstance(s.get("reason"), str) for s in skipped):
@@ -433,7 +435,8 @@ def load_e2e_json(path: Path):
 
 _E2E_KINDS = dict(size=str, batch=int, prompt=int, dtype=str, mode=str, decode_tokens=int,
                   decode_tokens_per_s=_NUMBER, prefill_tokens_per_s=_NUMBER, decode_ms_per_step=_NUMBER, rounds=int,
-                  decode_s="list", prefill_s="list", implementation=str)
+                  decode_s="list", prefill_s="list", implementation=str, floor_tokens_per_s=_NUMBER,
+                  prompt_lengths="list")
 
 
 def _with_quartiles(group: dict, a: str, b: str) -> str:
@@ -451,6 +454,15 @@ def _with_quartiles(group: dict, a: str, b: str) -> str:
 def _spread(cells) -> str:
     ratios = [max(c.decode_s) / min(c.decode_s) for c in cells if c.decode_s and min(c.decode_s) > 0]
     return f"median {_median(ratios):.2f}x, max {max(ratios):.2f}x" if ratios else "one round"
+
+
+def _floor_share(g: dict, modes) -> str:
+    """The cell's floor_tokens_per_s and each mode's share of it ('-' for files without a floor)."""
+    floor = next((c.floor_tokens_per_s for c in g.values() if getattr(c, "floor_tokens_per_s", 0)), 0)
+    if not floor:
+        return "-"
+    return f"{floor:.0f} (" + ", ".join(f"{100 * g[m].decode_tokens_per_s / floor:.0f}%" if m in g else "-"
+                                       for m in modes) + ")"
 
 
 def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
@@ -472,14 +484,16 @@ def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
              f"- Round-to-round spread (slowest / fastest decode of a cell and mode): {_spread(cells)}; load average "
              f"at start {info.get('loadavg_start', '?')}, at end {info.get('loadavg_end', '?')}.", "",
              "| size | dtype | batch | prompt | " + " | ".join(modes) + " | fused/module | module/mlx_lm | fused/mlx_lm |"
-             " mlx_lm_fused_cache/mlx_lm [quartiles] | prefill tok/s (" + ", ".join(modes) + ") |",
-             "|" + "---|" * (9 + len(modes))]
+             " mlx_lm_fused_cache/mlx_lm [quartiles] | floor tok/s (share: " + ", ".join(modes) + ") |"
+             " prefill tok/s (" + ", ".join(modes) + ") |",
+             "|" + "---|" * (10 + len(modes))]
     for key, g in _e2e_groups(cells).items():
         size, dtype, batch, prompt = key
         lines.append(f"| {size} | {dtype} | {batch} | {prompt} | "
                      + " | ".join(f(g[m].decode_tokens_per_s if m in g else None, ".1f") for m in modes)
                      + f" | {f(_ratio(g, 'fused', 'module'), '.2f')} | {f(_ratio(g, 'module', 'mlx_lm'), '.2f')} | "
                        f"{f(_ratio(g, 'fused', 'mlx_lm'), '.2f')} | {_with_quartiles(g, 'mlx_lm_fused_cache', 'mlx_lm')} | "
+                     + _floor_share(g, modes) + " | "
                      + " / ".join(f(g[m].prefill_tokens_per_s if m in g else None, ".0f") for m in modes) + " |")
     lines += ["", "| target | result | evidence |", "|---|---|---|"]
     for name, met, evidence in e2e_targets(cells, info.get("backend", "")):
@@ -497,29 +511,84 @@ def write_e2e_markdown(path: Path, cells, skipped: list[dict], info: dict, comma
     atomic_write(path, lambda fh: fh.write(text.encode()))
 
 
+_MODE_LABELS = {"mlx_lm_fused_cache": "drop-in cache in mlx-lm's own loop", "module": "slot engine, module",
+                "reference": "slot engine, reference", "fused": "slot engine, fused", "mlx_lm": "stock mlx-lm"}
+
+
 def e2e_plot(path: Path, cells, title: str) -> None:
-    """One panel per size: decode tokens/s per (dtype, batch, prompt), a bar per mode (log scale)."""
+    """e2e_figure as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = e2e_figure(cells, title)
+    atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png", bbox_inches="tight"))
+    plt.close(fig)
+
+
+def e2e_figure(cells, title: str):
+    """Each mode's decode speed over stock mlx-lm's (the median of the per-round ratios, with their
+    quartiles as whiskers), a bar per mode and cell, on a linear axis from 0 with the 1.0 line: a
+    bar's height is the ratio itself. Without mlx_lm cells the first mode measured is the base."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = list(dict.fromkeys(c.size for c in cells))
     modes = _e2e_modes(cells)
-    fig, axes = plt.subplots(len(sizes), 1, figsize=(max(8, 1.6 * 12), 3.6 * len(sizes)), squeeze=False)
-    colors = dict(zip(modes, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    width = 0.8 / max(1, len(modes))
-    for ax, size in zip(axes[:, 0], sizes):
-        groups = [(k, g) for k, g in _e2e_groups(cells).items() if k[0] == size]
-        for j, m in enumerate(modes):
-            xs = [i + (j - (len(modes) - 1) / 2) * width for i, (_, g) in enumerate(groups) if m in g]
-            ys = [g[m].decode_tokens_per_s for _, g in groups if m in g]
-            ax.bar(xs, ys, width, color=colors[m], label=m)
-        ax.set_xticks(range(len(groups)), [f"{'bf16' if k[1] == 'bfloat16' else 'f16' if k[1] == 'float16' else 'f32'}"
-                                           f" b{k[2]} p{k[3]}" for k, _ in groups], fontsize=8)
-        ax.set(yscale="log", ylabel="decode tokens/s (batch)", title=size)
-        ax.grid(True, axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=len(modes))
-    fig.suptitle(title, fontsize=10)
+    base = "mlx_lm" if "mlx_lm" in modes else modes[0]
+    shown = [m for m in modes if m != base]
+    groups = list(_e2e_groups(cells).items())
+    dtypes, prompts = {k[1] for k, _ in groups}, {k[3] for k, _ in groups}
+    short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+    labels = [f"{size}\nb{batch}" + (f" p{prompt}" if len(prompts) > 1 else "")
+              + (f" {short.get(dtype, dtype)}" if len(dtypes) > 1 else "") for (size, dtype, batch, prompt), _ in groups]
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.95 * len(groups) + 2), 5.2))
+    colors = dict(zip(shown, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    width = 0.8 / max(1, len(shown))
+    top = 1.0
+    for j, m in enumerate(shown):
+        xs, ys, lo, hi = [], [], [], []
+        for i, (_, g) in enumerate(groups):
+            r = _ratio(g, m, base)
+            if r is None:
+                continue
+            pairs = _paired(g, m, base)
+            q1, q3 = (statistics.quantiles(pairs, n=4, method="inclusive")[::2] if len(pairs) >= 2 else (r, r))
+            xs.append(i + (j - (len(shown) - 1) / 2) * width)
+            ys.append(r)
+            lo.append(max(0.0, r - q1))
+            hi.append(max(0.0, q3 - r))
+            top = max(top, q3, r)
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=colors[m], label=_MODE_LABELS.get(m, m),
+               error_kw=dict(lw=0.8))
+        if m == "mlx_lm_fused_cache":        # the headline: its ratios written on the bars
+            for x, y in zip(xs, ys):
+                ax.text(x, y / 2, f"{y:.2f}", ha="center", va="center", rotation=90, fontsize=7, color="white")
+    ax.axhline(1.0, color="k", lw=1.2, label=f"{_MODE_LABELS.get(base, base)} (1.0)")
+    ax.set_xticks(range(len(groups)), labels, fontsize=8)
+    ax.set_ylim(0, top * 1.12)
+    ax.set_ylabel(f"decode tokens/s ÷ {_MODE_LABELS.get(base, base)}'s")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=len(shown) + 1, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    ax.set_title(title + "\nmedian of the per-round ratios; whiskers: their quartiles", fontsize=9)
     fig.tight_layout()
-    atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png"))
-    plt.close(fig)
+    return fig
+
+
+def dropin_summary(cells) -> str | None:
+    """The drop-in cache against stock mlx-lm as a small markdown table (the README's): a row per
+    size (and dtype and prompt where several), a column per batch; None without both modes."""
+    a, b = "mlx_lm_fused_cache", "mlx_lm"
+    rows: dict[tuple, dict[int, str]] = {}
+    for (size, dtype, batch, prompt), g in _e2e_groups(cells).items():
+        r = _ratio(g, a, b)
+        if r is not None:
+            rows.setdefault((size, dtype, prompt), {})[batch] = (
+                f"**{r:.2f}x** ({g[b].decode_tokens_per_s:.0f} → {g[a].decode_tokens_per_s:.0f})")
+    if not rows:
+        return None
+    batches = sorted({bt for r in rows.values() for bt in r})
+    several = lambda i: len({k[i] for k in rows}) > 1
+    lines = ["| model | " + " | ".join(f"batch {bt}" for bt in batches) + " |", "|---" * (len(batches) + 1) + "|"]
+    for (size, dtype, prompt), by in rows.items():
+        name = size + (f" {dtype}" if several(1) else "") + (f", {prompt}-token prompts" if several(2) else "")
+        lines.append(f"| {name} | " + " | ".join(by.get(bt, "-") for bt in batches) + " |")
+    return "\n".join(lines)

@@ -7,6 +7,8 @@ Where each concern lives:
   toolchains.py  finding xcrun/metal, nvcc, the C++ compiler; identities hashed into keys; fixes
   symbols.py     entry-symbol checks on cubin/PTX/.so/metallib
   locking.py     fcntl file locks with a timeout
+  selftest.py    `selftest`: compile for this device, the kernels' parity cases (registry/parity.py), the
+                 drop-in cache against mlx-lm's own; the report
   registry/artifacts.py (shared with the runtime) digests, keys, the index, lookup()
 
 The public names below load lazily so `import build_tools.cli` stays cheap (no registry, no MLX).

@@ -1,4 +1,4 @@
-"""`python -m build_tools`: compile, list, validate, clean, doctor (and bench, from benchmarks/).
+"""`python -m build_tools`: compile, list, validate, clean, doctor, selftest (and bench, from benchmarks/).
 
 A thin layer over build_tools.compiler; importing this module is cheap (click only) so other
 helpers can add subcommands: registry, MLX and the compilers load inside the commands that need them.
@@ -121,8 +121,9 @@ def validate(manifest) -> None:
 
 @cli.command("compile")
 @click.option("--target", "targets", multiple=True, default=("auto",), show_default=True, metavar="TARGET",
-              help="auto|all|metal|cuda|cpu, repeatable or comma-separated. auto = every target this "
-                   "machine's toolchains can build (says what it skipped and why).")
+              help="auto|all|metal|cuda|cpu, repeatable or comma-separated. auto = what this machine runs "
+                   "(the installed MLX's backends and devices; says what it skipped and why); all = every "
+                   "target the toolchains here build (wheels, other hosts).")
 @click.option("--only", multiple=True, metavar="NAME", help="Build only these kernels (repeatable or comma-separated).")
 @click.option("--arch", "archs", multiple=True, metavar="LIST",
               help="CUDA archs, e.g. sm_90,compute_90 (sm_XX cubins, compute_XX PTX); replaces the manifest's "
@@ -262,6 +263,10 @@ def doctor(manifest) -> None:
             _doctor_cuda_archs(m, toolchains)
     out = default_output_dir()
     click.echo(f"[info]    artifacts are written to {out}")
+    runs = {t: toolchains.runs(t) for t in ("metal", "cuda", "cpu")}
+    click.echo(f"[info]    `compile` (--target auto) builds what this machine runs: "
+               f"{', '.join(t for t, why in runs.items() if not why)}"
+               + "".join(f"; not {t}: {why}" for t, why in runs.items() if why))
     try:
         import mlx.core as mx
         click.echo(f"[info]    mlx {mx.__version__}, default device {mx.default_device()}, "
@@ -274,10 +279,36 @@ def doctor(manifest) -> None:
     except ImportError as e:
         click.echo(f"[missing] native extension registry._ext ({e})\n          fix: pip install -e '.[cpu]' "
                    f"(Linux CUDA: pip install --no-build-isolation -e '.[cuda13]'; macOS: pip install -e .)")
-    click.echo(f"{missing} toolchain(s) missing; `compile --target auto` builds the rest" if missing
+    click.echo(f"{missing} toolchain(s) missing; `compile --target all` builds the rest" if missing
                else "all toolchains present")
     if m is None:
         sys.exit(1)   # a missing toolchain is normal (auto skips it); an unreadable manifest is not
+
+
+@cli.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the report as JSON to this file (attach it to a bug report).")
+@OUT_OPTION
+@MANIFEST_OPTION
+def selftest(json_path, out_dir, manifest) -> None:
+    """Compile for this machine's device, check every kernel against MLX's own ops and the drop-in
+    cache against mlx-lm's own (tokens, decode speed); exit 1 if any check fails."""
+    from . import selftest as st
+
+    if json_path is not None and not json_path.parent.is_dir():
+        _fail(f"--json {json_path}: the directory {json_path.parent} does not exist; give a file in an existing "
+              f"directory", 2)
+    m = _load(manifest)
+    report = st.run(out_dir, m, log=_err)
+    for line in st.summary(report):
+        click.echo(line)
+    if json_path is not None:
+        try:
+            json_path.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+        except OSError as e:
+            _fail(f"--json {json_path}: cannot write the report ({e})", 2)
+        click.echo(f"report written to {json_path}")
+    sys.exit(0 if report["ok"] else 1)
 
 
 def _doctor_cuda_archs(m, toolchains) -> None:

@@ -117,33 +117,38 @@ def _split(values: str | Iterable[str] | None) -> list[str]:
 
 
 def resolve_targets(requested: Iterable[str], *, dry_run: bool = False) -> tuple[list[str], dict[str, str]]:
-    """Targets to build and, for `auto`, what was skipped and why. A target named explicitly (or via
-    `all`) whose toolchain is missing raises MissingToolchainError carrying the fix, except in a dry
-    run, which plans its commands anyway (what a Linux user or CI wants to see of Metal)."""
+    """Targets to build and what `auto`/`all` skipped, and why (with the fix).
+
+    auto  the targets this machine runs (toolchains.runs: the installed MLX's backends and devices)
+          whose toolchain is here
+    all   every target whose toolchain is here, whatever this machine runs (wheels, other hosts)
+    A target named explicitly whose toolchain is missing raises MissingToolchainError carrying the
+    fix, except in a dry run, which plans its commands anyway (what a Linux user or CI wants to see
+    of Metal)."""
     requested = _split(requested)
     if not requested:
         raise ValueError(f"targets: empty; choose from auto, all, {', '.join(TARGETS)}")
     for t in requested:
         if t not in ("auto", "all", *TARGETS):
             raise ValueError(f"targets: unknown target {t!r}; choose from auto, all, {', '.join(TARGETS)}")
-    explicit = list(TARGETS) if "all" in requested else [t for t in requested if t in TARGETS]
-    chosen: list[str] = []
-    missing = []
-    for t in explicit:
-        tc = toolchains.find(t)
-        if tc.available or dry_run:
-            chosen.append(t)
-        else:
-            missing.append(f"target {t}: {tc.detail}\n  fix: {tc.fix}")
+    chosen = [t for t in requested if t in TARGETS]
+    missing = [f"target {t}: {tc.detail}\n  fix: {tc.fix}" for t in chosen
+               if not (tc := toolchains.find(t)).available and not dry_run]
     if missing:
         raise MissingToolchainError("\n".join(missing))
     skipped: dict[str, str] = {}
-    if "auto" in requested:
+    if "auto" in requested or "all" in requested:
         for t in TARGETS:
+            if t in chosen:
+                continue
             tc = toolchains.find(t)
-            if not tc.available:
+            elsewhere = "" if "all" in requested else toolchains.runs(t)
+            if elsewhere:   # where the toolchain is here too, say how to build for other machines
+                skipped[t] = elsewhere + (f"; `--target {t}` or `--target all` builds it for other machines"
+                                          if tc.available else "")
+            elif not tc.available:
                 skipped[t] = f"{tc.detail} (fix: {tc.fix})"
-            elif t not in chosen:
+            else:
                 chosen.append(t)
     return [t for t in TARGETS if t in chosen], skipped
 
@@ -353,8 +358,9 @@ def compile_kernels(targets: str | Iterable[str] = ("auto",), out_dir: str | Pat
                     manifest: str | Path | Manifest | None = None) -> CompileReport:
     """Compile the manifest's kernels ahead of time (the CLI's `compile` is a thin layer over this).
 
-    targets   'auto' (what this machine's toolchains can build; the rest lands in report.skipped),
-              'all', or any of 'metal', 'cuda', 'cpu' (lists or comma strings)
+    targets   'auto' (what this machine runs and its toolchains build; the rest lands in
+              report.skipped), 'all' (what the toolchains build, for wheels and other hosts), or any
+              of 'metal', 'cuda', 'cpu' (lists or comma strings)
     out_dir   default: MLX_AOT_CACHE_DIR, else registry/_artifacts when writable, else the user cache
     only      kernel names; archs: CUDA archs (sm_XX cubins, compute_XX PTX), replacing the manifest's
     jobs      parallel units (default: CPU count); log: receives progress lines
@@ -370,6 +376,12 @@ def compile_kernels(targets: str | Iterable[str] = ("auto",), out_dir: str | Pat
         except ValueError as e:
             raise ValueError(f"archs: {e}") from None
     chosen, skipped = resolve_targets(targets, dry_run=dry_run)
+    if log and "all" in _split(targets):
+        log(f"--target all: every target the toolchains here build ({', '.join(chosen) or 'none'}), "
+            f"not only what this machine runs, for wheels and other hosts")
+    elif log and "auto" in _split(targets):
+        log(f"--target auto: what this machine runs ({', '.join(chosen) or 'nothing buildable'}); "
+            f"`--target all` builds every target the toolchains here build")
     for what, value in (("only", only), ("archs", archs)):
         items = [value] if isinstance(value, str) else list(value or ())
         if any(not _split(str(v)) for v in items):

@@ -5,6 +5,7 @@ One finder per target, cached per process (`clear_cache()` after changing PATH/C
          toolchain as a separate download: xcrun finds a stub that fails until it is installed)
   cuda   nvcc on PATH, $CUDA_HOME, $CUDA_PATH or /usr/local/cuda
   cpu    $CXX (may carry arguments, e.g. "ccache g++"), else c++, g++, clang++
+and which targets this machine can run (`runs`: MLX's backends and devices), for `--target auto`.
 """
 
 from __future__ import annotations
@@ -139,6 +140,31 @@ def cxx() -> Toolchain:
 FINDERS = {"metal": metal, "cuda": nvcc, "cpu": cxx}
 
 
+def _mlx():
+    import mlx.core as mx    # here, not at import: the CLI's other commands never load MLX
+    return mx
+
+
+@functools.lru_cache(maxsize=None)
+def runs(target: str) -> str:
+    """"" when this machine can run `target`'s kernels (the installed MLX has that backend and finds
+    a device for it), else why not: what `compile --target auto` builds. The CPU always runs."""
+    if target == "cpu":
+        return ""
+    if target == "metal" and platform.system() != "Darwin":
+        return "this is not macOS"
+    try:
+        mx = _mlx()
+    except ImportError as e:
+        return f"MLX does not import ({e})"
+    if target == "metal":
+        return "" if mx.metal.is_available() else "MLX finds no Metal device"
+    if not mx.cuda.is_available():
+        return "the installed MLX has no CUDA backend (that is mlx[cuda13])"
+    # is_available() says only that the backend is built in; the device count asks the driver
+    return "" if mx.device_count(mx.gpu) > 0 else "MLX's CUDA backend finds no GPU"
+
+
 def planned(target: str) -> Toolchain:
     """The found toolchain, else one with the usual command names (xcrun -sdk macosx, nvcc, c++) for
     printing a dry run's commands on a machine without it; never run."""
@@ -154,5 +180,5 @@ def find(target: str) -> Toolchain:
 
 
 def clear_cache() -> None:
-    for f in (*FINDERS.values(), nvcc_archs):
+    for f in (*FINDERS.values(), nvcc_archs, runs):
         f.cache_clear()

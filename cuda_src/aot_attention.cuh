@@ -56,7 +56,7 @@ __device__ __forceinline__ void merge(float& m, float& l, float* acc, float mo, 
   m = mn;
 }
 
-// Shared memory of a block, declared once per kernel.
+// Shared memory of a block, declared once per kernel (every instantiation of attend_block shares it).
 struct Shared {
   float part[WARPS][RC][MAX_DIM + 2];    // per warp: (max, sum, output) of the pass's rows
   float weight[WARPS][MAX_SPLITS];       // the split merge: each split's weight for a warp's row
@@ -159,40 +159,44 @@ __device__ __forceinline__ float score(float dot, const Shape& p, float inv_cap)
   return dot;
 }
 
-// Score of key `key` for a query row that sees [lo, hi]: -INFINITY where it sees it not.
-template <bool CAP>
+// Score of key `key` for a query row that sees [lo, hi]: -INFINITY where it sees it not. Not MASKED
+// (L = 1, no window): every key in range is visible to every row (invalid keys: INT_MAX, past hi).
+template <bool CAP, bool MASKED>
 __device__ __forceinline__ float seen_score(float dot, int key, int lo, int hi, const Shape& p, float inv_cap) {
-  return key <= hi && key >= lo ? score<CAP>(dot, p, inv_cap) : -INFINITY;
+  const bool see = MASKED ? key <= hi && key >= lo : key <= hi;
+  return see ? score<CAP>(dot, p, inv_cap) : -INFINITY;
 }
 
-// acc[r] += pr[r][j] * v (a lane's EPL value features) for every query row of the pass.
-__device__ __forceinline__ void accumulate(float (&acc)[RC][EPL], const float (&pr)[RC][TILE], int j,
+// acc[r] += s[r][j] * v (a lane's EPL value features; s: the tile's probabilities) for every query
+// row of the pass.
+__device__ __forceinline__ void accumulate(float (&acc)[RC][EPL], const float (&s)[RC][TILE], int j,
                                            const float (&vf)[EPL]) {
 #pragma unroll
   for (int r = 0; r < RC; ++r) {
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[r][e] = fmaf(pr[r][j], vf[e], acc[r][e]);
+    for (int e = 0; e < EPL; ++e) acc[r][e] = fmaf(s[r][j], vf[e], acc[r][e]);
   }
 }
 
-// The online softmax over a tile of scores s[r][j] (-INFINITY: not seen): rescales what came before
-// and gives each key's weight pr[r][j].
-__device__ __forceinline__ void softmax_tile(const float (&s)[RC][TILE], float (&m)[RC], float (&l)[RC],
-                                             float (&acc)[RC][EPL], float (&pr)[RC][TILE]) {
+// The online softmax over a tile of scores s[r][j] (-INFINITY: not seen), in place: s becomes the
+// probabilities (base 2), what came before is rescaled.
+__device__ __forceinline__ void softmax_tile(float (&s)[RC][TILE], float (&m)[RC], float (&l)[RC],
+                                             float (&acc)[RC][EPL]) {
 #pragma unroll
   for (int r = 0; r < RC; ++r) {
     float mt = -INFINITY;
 #pragma unroll
     for (int j = 0; j < TILE; ++j) mt = fmaxf(mt, s[r][j]);
     const float mn = fmaxf(m[r], mt);
-    const float a = m[r] == -INFINITY ? 0.f : fast_exp2(m[r] - mn);   // rescale what came before
+    const float base = mn == -INFINITY ? 0.f : mn;   // nothing seen yet: every 2^(-inf - 0) is 0
+    const float a = fast_exp2(m[r] - base);           // rescale what came before (2^-inf = 0)
     l[r] *= a;
 #pragma unroll
     for (int e = 0; e < EPL; ++e) acc[r][e] *= a;
 #pragma unroll
     for (int j = 0; j < TILE; ++j) {
-      pr[r][j] = s[r][j] == -INFINITY ? 0.f : fast_exp2(s[r][j] - mn);
-      l[r] += pr[r][j];
+      s[r][j] = fast_exp2(s[r][j] - base);
+      l[r] += s[r][j];
     }
     m[r] = mn;
   }
@@ -302,13 +306,14 @@ __device__ void combine_splits(T* out, float* workspace, int32_t* locks, const S
   if (threadIdx.x == 0) atomicExch(lock, 0);   // zero at rest, for the next launch
 }
 
-// One block's attention (module comment). `Rows` is the kernel's policy for its K/V rows:
+// One block's attention (module comment); MASKED: rows see different keys (L > 1 or a window).
+// `Rows` is the kernel's policy for its K/V rows:
 //   Rows::Lane                   a lane's share of one key's and one value's row (registers);
 //   rows.load(row, d0, kl, vl)   loads it (row: the pool row index, key_row's), zero(kl, vl) a nothing;
 //   Rows::keys(kl, kf)           the lane's EPL key features;
 //   Rows::dot(kl, kf, qv, qsum)  a query row's partial score from them (qsum: the sum of its qv);
 //   Rows::values(vl, vf)         the lane's EPL value features.
-template <typename T, int LPK, bool CAP, typename Rows>
+template <typename T, int LPK, bool CAP, bool MASKED, typename Rows>
 __device__ __forceinline__ void attend_block(const T* __restrict__ q, T* __restrict__ out, const Rows rows,
                                              const int32_t* __restrict__ kv_len, const int32_t* __restrict__ kv_end,
                                              const int32_t* __restrict__ table, float* workspace, int32_t* locks,
@@ -352,21 +357,52 @@ __device__ __forceinline__ void attend_block(const T* __restrict__ q, T* __restr
 #pragma unroll
         for (int r = 0; r < RC; ++r) {
           const float dot = group_sum<LPK>(Rows::dot(kl[j], kf, qv[r], qsum[r]));
-          s[r][j] = seen_score<CAP>(dot, key[j], lo_r[r], hi_r[r], p, inv_cap);
+          s[r][j] = seen_score<CAP, MASKED>(dot, key[j], lo_r[r], hi_r[r], p, inv_cap);
         }
       }
-      float pr[RC][TILE];
-      softmax_tile(s, m, l, acc, pr);
+      softmax_tile(s, m, l, acc);
 #pragma unroll
       for (int j = 0; j < TILE; ++j) {
         float vf[EPL];
         Rows::values(vl[j], vf);
-        accumulate(acc, pr, j, vf);
+        accumulate(acc, s, j, vf);
       }
     }
     finish_pass<T, LPK>(out, workspace, p, sh, b, hk, split, r0, d0, dims, m, l, acc);
   }
   if (p.n_splits > 1) combine_splits<T>(out, workspace, locks, p, sh, b, hk);
+}
+
+// attend_block with soft-capping and MASKED as compile-time choices (the per-key loop then has no
+// branch for either); Rows carries everything else.
+template <typename T, int LPK, typename Rows>
+__device__ __forceinline__ void attend_block_of(const T* q, T* out, const Rows rows, const int32_t* kv_len,
+                                                const int32_t* kv_end, const int32_t* table, float* workspace,
+                                                int32_t* locks, const Shape& p, const aot_cuda::Strides& qs,
+                                                Shared& sh) {
+  const bool masked = p.seq_len > 1 || p.window > 0;
+  if (p.softcap > 0.f) {
+    masked ? attend_block<T, LPK, true, true>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh)
+           : attend_block<T, LPK, true, false>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  } else {
+    masked ? attend_block<T, LPK, false, true>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh)
+           : attend_block<T, LPK, false, false>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  }
+}
+
+// Lanes per key (at least 8: LPK * EPL >= head_dim) as a compile-time choice.
+template <typename T, typename Rows>
+__device__ void attend(const T* q, T* out, const Rows rows, const int32_t* kv_len, const int32_t* kv_end,
+                       const int32_t* table, float* workspace, int32_t* locks, const Shape& p,
+                       const aot_cuda::Strides& qs) {
+  __shared__ Shared sh;
+  if (p.head_dim <= 8 * EPL) {
+    attend_block_of<T, 8>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  } else if (p.head_dim <= 16 * EPL) {
+    attend_block_of<T, 16>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  } else {
+    attend_block_of<T, 32>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  }
 }
 
 }  // namespace aot_attn

@@ -10,8 +10,8 @@
 // then merged across lane groups, warps and, with n_splits > 1, across the blocks of a row
 // (flash-decoding): each block writes (max, sum, unnormalised output) to the workspace and the last
 // block to arrive (a counter per (row, kv head) in `locks`, reset by that block) combines them.
-// All of that is aot_attention.cuh's attend_block (decode_attention_quantized's too); this file has
-// the float rows' policy: raw 16-byte units per lane, unpacked when used.
+// All of that is aot_attention.cuh's attend (decode_attention_quantized's too); this file has the
+// float rows' policy: raw 16-byte units per lane, unpacked when used.
 #include <math.h>
 #include <stdint.h>
 
@@ -87,34 +87,6 @@ struct FloatRows {
   __device__ static __forceinline__ void values(const Lane& vl, float (&vf)[EPL]) { unpack<T>(vl.r, vf); }
 };
 
-template <typename T, int LPK, bool CAP>
-__device__ __forceinline__ void body(const T* q, T* out, const T* k_pool, const T* v_pool, const int32_t* kv_len,
-                                     const int32_t* kv_end, const int32_t* table, float* workspace, int32_t* locks,
-                                     const Shape& p, const Strides& qs, Shared& sh) {
-  attend_block<T, LPK, CAP>(q, out, FloatRows<T>{k_pool, v_pool, p.head_dim}, kv_len, kv_end, table, workspace, locks,
-                            p, qs, sh);
-}
-
-// Lanes per key (the row's 16-byte units, at least 8 lanes) and soft-capping, as compile-time
-// choices: the per-key loop then has no runtime loop or branch for either.
-template <typename T>
-__device__ void dispatch(const T* q, T* out, const T* k_pool, const T* v_pool, const int32_t* kv_len,
-                         const int32_t* kv_end, const int32_t* table, float* workspace, int32_t* locks,
-                         const Shape& p, const Strides& qs) {
-  __shared__ Shared sh;
-  const bool cap = p.softcap > 0.f;
-  if (p.head_dim <= 8 * EPL) {
-    cap ? body<T, 8, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
-        : body<T, 8, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-  } else if (p.head_dim <= 16 * EPL) {
-    cap ? body<T, 16, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
-        : body<T, 16, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-  } else {
-    cap ? body<T, 32, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
-        : body<T, 32, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-  }
-}
-
 }  // namespace
 
 // Scalars the wrapper validates; an inconsistent set launches nothing rather than reading out of bounds.
@@ -127,7 +99,8 @@ __device__ void dispatch(const T* q, T* out, const T* k_pool, const T* v_pool, c
     const Shape p{batch,      seq_len, n_q_heads, n_kv_heads, head_dim, pool_layout, pool_rows,            \
                   table_cols, window,  scale,     softcap,    n_splits, split_len};                        \
     if (!shape_ok(p)) return;                                                                             \
-    dispatch<T>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, q_strides);            \
+    attend<T>(q, out, FloatRows<T>{k_pool, v_pool, head_dim}, kv_len, kv_end, table, workspace, locks, p,   \
+              q_strides);                                                                                 \
   }
 
 DA_ENTRY(decode_attention_f16, __half)

@@ -99,30 +99,6 @@ struct QuantRows {
   }
 };
 
-// Lanes per key (at least 8), bits and soft-capping as compile-time choices: the per-key loop has no
-// runtime loop or branch for any of them.
-template <typename T, int LPK, int BITS>
-__device__ __forceinline__ void with_cap(const T* q, T* out, const QuantRows<T, BITS> rows, const int32_t* kv_len,
-                                         const int32_t* kv_end, const int32_t* table, float* workspace, int32_t* locks,
-                                         const Shape& p, const Strides& qs, Shared& sh) {
-  if (p.softcap > 0.f)
-    attend_block<T, LPK, true>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-  else
-    attend_block<T, LPK, false>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-}
-
-template <typename T, int BITS>
-__device__ void with_lanes(const T* q, T* out, const QuantRows<T, BITS> rows, const int32_t* kv_len,
-                           const int32_t* kv_end, const int32_t* table, float* workspace, int32_t* locks,
-                           const Shape& p, const Strides& qs, Shared& sh) {
-  if (p.head_dim <= 8 * EPL)
-    with_cap<T, 8, BITS>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-  else if (p.head_dim <= 16 * EPL)
-    with_cap<T, 16, BITS>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-  else
-    with_cap<T, 32, BITS>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-}
-
 }  // namespace
 
 // Scalars the wrapper validates; an inconsistent set (or a format other than 4/8 bits, group 32, 64
@@ -139,16 +115,16 @@ __device__ void with_lanes(const T* q, T* out, const QuantRows<T, BITS> rows, co
     if (!aot_attn::shape_ok(p) || (group_size != 32 && group_size != 64 && group_size != 128) ||             \
         head_dim % group_size)                                                                               \
       return;                                                                                                \
-    __shared__ aot_attn::Shared sh;                                                                          \
+    /* bits as a compile-time choice too: the unpacking has no runtime shift or mask */                   \
     const int W = head_dim * bits / 32, Gn = head_dim / group_size;                                          \
     if (bits == 8)                                                                                           \
-      with_lanes<T, 8>(q, out, QuantRows<T, 8>{k_pool, k_scales, k_biases, v_pool, v_scales, v_biases, W, Gn,  \
-                                                group_size},                                                 \
-                       kv_len, kv_end, table, workspace, locks, p, q_strides, sh);                           \
+      aot_attn::attend<T>(q, out, QuantRows<T, 8>{k_pool, k_scales, k_biases, v_pool, v_scales, v_biases, W,  \
+                                                   Gn, group_size},                                           \
+                          kv_len, kv_end, table, workspace, locks, p, q_strides);                            \
     else if (bits == 4)                                                                                      \
-      with_lanes<T, 4>(q, out, QuantRows<T, 4>{k_pool, k_scales, k_biases, v_pool, v_scales, v_biases, W, Gn,  \
-                                                group_size},                                                 \
-                       kv_len, kv_end, table, workspace, locks, p, q_strides, sh);                           \
+      aot_attn::attend<T>(q, out, QuantRows<T, 4>{k_pool, k_scales, k_biases, v_pool, v_scales, v_biases, W,  \
+                                                   Gn, group_size},                                           \
+                          kv_len, kv_end, table, workspace, locks, p, q_strides);                            \
   }
 
 DAQ_ENTRY(decode_attention_quantized_f16, __half)

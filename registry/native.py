@@ -69,6 +69,23 @@ def _i32_bits(name: str, value: Any) -> int:
     return value & 0xFFFFFFFF
 
 
+_KERNEL_CALLER_ADVICE = ("Rebind the returned pools and keep no other array object of them (docs/native.md, "
+                         "\"In-place outputs\").")
+
+# Called (no arguments) when a launch copies a pool, to say what the caller should do instead: the
+# first non-empty answer replaces _KERNEL_CALLER_ADVICE. An integration whose users never see the
+# pools (the drop-in cache) registers one; nothing runs on launches that write in place.
+COPY_ADVISERS: list = []
+
+
+def _advice_of(adviser) -> str | None:
+    try:
+        return adviser()
+    except Exception:          # advice only: a broken adviser must not fail the launch that copies
+        log.debug("copy adviser %r failed", adviser, exc_info=True)
+        return None
+
+
 class Launcher:
     """A loaded artifact of one kernel for one backend: `launch(...)` builds one lazy MLX primitive."""
 
@@ -108,11 +125,11 @@ class Launcher:
         # Steady-state decode never copies a pool (docs/native.md): a copy is worth one warning.
         self.copies += 1
         if self.copies == 1:
-            log.warning("%s: %s was written through a copy-on-write copy (a full copy of the pool) because %s; "
-                        "rebind the returned pools and keep no other array object of them (docs/native.md, "
-                        "\"In-place outputs\"). This warning is given once per kernel object; "
-                        "registry.native.stats() counts every copy.",
-                        self.spec.name, self._buffer_names[buffer], reason)
+            advice = next((a for a in map(_advice_of, COPY_ADVISERS) if a), _KERNEL_CALLER_ADVICE)
+            log.warning("%s: %s was written through a copy-on-write copy (one full copy of the pool, for this call; "
+                        "the values are right either way) because %s. %s This warning is given once per kernel "
+                        "object; registry.native.stats() counts every copy.",
+                        self.spec.name, self._buffer_names[buffer], reason, advice)
 
     @property
     def raw_launch(self) -> tuple[Any, Any]:
@@ -193,7 +210,7 @@ def device_indices(backend: str, *arrays) -> tuple[mx.array, ...]:
     their shapes, for the kernels of `backend` and the MLX ops beside them. On CUDA, MLX keeps an
     array made from host data, and any array of at most 8 bytes, in managed memory, which a kernel
     reads across the bus: 6 of a decode launch's 10 us of rope_pool_fused on the H200
-    (docs/benchmarks/e2e-root-cause.md section 7). So there they become views of one device buffer
+    (docs/benchmarks/e2e-root-cause.md, "Host memory on CUDA"). So there they become views of one device buffer
     of more than 8 bytes that one concatenate (a kernel: once per step where the caller memoises)
     copies them into; each 1-D view is an mx.contiguous, which the launcher takes as it is. On other
     backends: plain mx.arrays."""

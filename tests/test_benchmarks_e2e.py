@@ -129,6 +129,42 @@ def test_ratios_pair_the_rounds_and_drop_in_targets():
     assert met is False and "worst 0.90x (llama-1b bfloat16 b8 p128)" in ev
 
 
+def test_plot_draws_ratios_from_zero_and_the_summary_table():
+    """The plot's bars are each mode's ratio to stock mlx-lm (per-round medians) on a linear axis from 0
+    with the 1.0 line, not tokens/s on a log axis (where 1.15x looked like 3x); dropin_summary is the
+    README's table of the drop-in cache against stock."""
+    rounds = lambda *t: dict(decode_s=list(t))
+    cells = [E2ECell("s", 1, 128, "bfloat16", "mlx_lm", 64, 100.0, 1.0, 0, 3, **rounds(1.0, 2.0, 1.0)),
+             E2ECell("s", 1, 128, "bfloat16", "mlx_lm_fused_cache", 64, 115.0, 1.0, 0, 3, **rounds(0.8, 1.6, 0.9)),
+             E2ECell("s", 1, 128, "bfloat16", "fused", 64, 90.0, 1.0, 0, 3, **rounds(1.1, 2.2, 1.1)),
+             E2ECell("s", 8, 128, "bfloat16", "mlx_lm", 64, 400.0, 1.0, 0, 3, **rounds(1.0, 1.0, 1.0)),
+             E2ECell("s", 8, 128, "bfloat16", "mlx_lm_fused_cache", 64, 380.0, 1.0, 0, 3, **rounds(1.0, 1.0, 1.1))]
+    fig = report.e2e_figure(cells, "t")
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0
+    assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ax.get_lines())
+    heights = {c.get_label(): [round(p.get_height(), 4) for p in c] for c in ax.containers if hasattr(c, "patches")}
+    assert heights == {"drop-in cache in mlx-lm's own loop": [round(1 / 0.8, 4), 1.0], "slot engine, fused": [round(1 / 1.1, 4)]}
+    table = report.dropin_summary(cells)
+    assert table.splitlines() == ["| model | batch 1 | batch 8 |", "|---|---|---|",
+                                  "| s | **1.25x** (100 → 115) | **1.00x** (400 → 380) |"]
+    assert report.dropin_summary(cells[2:3]) is None
+
+
+def test_plot_without_matplotlib_refuses_to_start(tmp_path, monkeypatch):
+    """Was a ModuleNotFoundError traceback after the whole run, with no output written."""
+    import sys
+
+    import benchmarks.runner as runner_mod
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)           # import matplotlib raises ImportError
+    monkeypatch.setattr(runner_mod, "host_info", lambda *a: pytest.fail("measured without matplotlib"))
+    for args in (["--e2e", "--smoke"], ["--quick"]):
+        res = CliRunner().invoke(bench, [*args, "--json", str(tmp_path / "a.json"), "--plot", str(tmp_path / "a.png")])
+        assert res.exit_code == 2 and "'--plot'" in res.output and "pip install -e '.[bench]'" in res.output, res.output
+        assert "Traceback" not in res.output and not list(tmp_path.iterdir())
+
+
 def test_from_json_merges_runs_and_refuses_a_cell_twice(tmp_path):
     info = dict(backend="cuda", device="gpu", mlx=mx.__version__, date="2026-12-01T00:00:00Z", commit="abc",
                 checks=["a check"], sizes={"s": "a size"})

@@ -81,6 +81,7 @@ def test_targets_and_only_accept_comma_lists(tmp_path, monkeypatch):
     manifest = toy_project(tmp_path, cuda=False)
     gone = toolchains.Toolchain("metal", False, "", (), "xcrun not found (test)", "install Xcode")
     monkeypatch.setitem(toolchains.FINDERS, "metal", lambda: gone)
+    monkeypatch.setattr(toolchains, "runs", lambda target: "")      # as on a Mac: auto skips only for the toolchain
     common = ["--dry-run", "--manifest", str(manifest), "--out", str(tmp_path / "o")]
     building = common[1:]
     r = run("compile", "--target", "cpu,metal", *building)        # explicit: a missing toolchain is an error
@@ -128,6 +129,7 @@ def test_doctor():
         if line.startswith("[missing]"):
             assert toolchains.find(target).fix in r.output
     assert "artifacts are written to" in r.output
+    assert re.search(r"builds what this machine runs: (\w+, )*cpu", r.output)   # the CPU always runs
 
 
 def test_as_subprocess_noop_under_a_second(tmp_path):

@@ -370,6 +370,7 @@ def test_explicit_target_without_toolchain_raises_with_fix_and_auto_skips(tmp_pa
     manifest = toy_project(tmp_path)
     gone = toolchains.Toolchain("cuda", False, "", (), "nvcc not found (test)", "install the CUDA toolkit")
     monkeypatch.setitem(toolchains.FINDERS, "cuda", lambda: gone)
+    monkeypatch.setattr(toolchains, "runs", lambda target: "")      # a machine with a GPU for MLX's CUDA
     with pytest.raises(MissingToolchainError, match="(?s)target cuda: nvcc not found.*fix: install the CUDA"):
         compile_kernels(targets=("cpu", "cuda"), manifest=manifest, out_dir=tmp_path / "o")
     report = compile_kernels(targets="auto", manifest=manifest, out_dir=tmp_path / "o")
@@ -381,6 +382,73 @@ def test_explicit_target_without_toolchain_raises_with_fix_and_auto_skips(tmp_pa
         compile_kernels(targets="cpu", archs="volta", manifest=manifest, out_dir=tmp_path / "o")
     with pytest.raises(ValueError, match="unknown kernel.*nope"):
         compile_kernels(targets="cpu", only="nope", manifest=manifest, out_dir=tmp_path / "o")
+
+
+def fake_toolchains(monkeypatch, *available: str) -> None:
+    """Toolchains for `available` (never run: dry runs only), none for the other targets."""
+    for t in ("metal", "cuda", "cpu"):
+        tc = (toolchains.Toolchain(t, True, f"{t} (test)", ("true",), f"{t} (test)", "") if t in available
+              else toolchains.Toolchain(t, False, "", (), f"no {t} toolchain (test)", f"install {t} (test)"))
+        monkeypatch.setitem(toolchains.FINDERS, t, lambda tc=tc: tc)
+
+
+def test_auto_builds_what_this_machine_runs_and_all_what_the_toolchains_build(tmp_path, monkeypatch):
+    manifest = toy_project(tmp_path, metal=True)
+    fake_toolchains(monkeypatch, "metal", "cuda", "cpu")
+    here = {"cpu": "", "cuda": "no CUDA backend (test)", "metal": "not macOS (test)"}
+    monkeypatch.setattr(toolchains, "runs", lambda t: here[t])
+    lines = []
+    plan = lambda targets: compile_kernels(targets=targets, manifest=manifest, out_dir=tmp_path / "o", dry_run=True,
+                                           log=lines.append)
+    report = plan("auto")
+    assert report.targets == ["cpu"] and statuses(report) == {("cpu", None): "planned"}
+    assert report.skipped == {t: f"{here[t]}; `--target {t}` or `--target all` builds it for other machines"
+                              for t in ("metal", "cuda")}
+    assert lines[0].startswith("--target auto: what this machine runs (cpu)")
+    here["cuda"] = ""                                                 # MLX's CUDA backend and a GPU
+    assert plan("auto").targets == ["cuda", "cpu"]
+    lines.clear()
+    report = plan("all")
+    assert report.targets == ["metal", "cuda", "cpu"] and not report.skipped
+    assert lines[0].startswith("--target all: every target the toolchains here build (metal, cuda, cpu)")
+    fake_toolchains(monkeypatch, "cuda", "cpu")                       # all skips a missing toolchain, with the fix
+    report = plan("all")
+    assert report.targets == ["cuda", "cpu"] and report.skipped == {"metal": "no metal toolchain (test) "
+                                                                              "(fix: install metal (test))"}
+    here["metal"] = ""                                                # auto too, where the machine runs it
+    assert plan("auto").skipped == report.skipped
+    with pytest.raises(MissingToolchainError, match="target metal: no metal toolchain"):
+        compile_kernels(targets="metal", manifest=manifest, out_dir=tmp_path / "o")
+
+
+def test_which_targets_this_machine_runs(monkeypatch):
+    """toolchains.runs reads the installed MLX's backends and devices: CUDA needs the backend and a GPU
+    (mx.cuda.is_available() is true for the CUDA build on a machine without one), Metal macOS."""
+    from types import SimpleNamespace
+
+    backend, gpus, system = {"cuda": False, "metal": False}, [0], ["Linux"]
+    mx = SimpleNamespace(gpu="gpu", device_count=lambda d: gpus[0] if d == "gpu" else 1,
+                         cuda=SimpleNamespace(is_available=lambda: backend["cuda"]),
+                         metal=SimpleNamespace(is_available=lambda: backend["metal"]))
+    monkeypatch.setattr(toolchains, "_mlx", lambda: mx)
+    monkeypatch.setattr(toolchains.platform, "system", lambda: system[0])
+
+    def runs(target):
+        toolchains.runs.cache_clear()
+        return toolchains.runs(target)
+    assert runs("cpu") == ""
+    assert runs("cuda") == "the installed MLX has no CUDA backend (that is mlx[cuda13])"
+    backend["cuda"] = True
+    assert runs("cuda") == "MLX's CUDA backend finds no GPU"
+    gpus[0] = 1
+    assert runs("cuda") == ""
+    backend["metal"] = True
+    assert runs("metal") == "this is not macOS"
+    system[0] = "Darwin"
+    assert runs("metal") == ""
+    backend["metal"] = False
+    assert runs("metal") == "MLX finds no Metal device"
+    toolchains.runs.cache_clear()
 
 
 def test_dry_run_builds_nothing(tmp_path):

@@ -179,8 +179,40 @@ def test_argument_errors(native_artifacts):
 
 
 def test_split_plan():
+    """Whole waves of 396 resident blocks (3 per SM x 132 SMs), the fewest splits within 3% of the best."""
     assert split_plan(200, 1, 8, "cuda") == (1, 200)
-    assert split_plan(32768, 1, 8, "cuda") == (64, 512)
-    n, length = split_plan(16640, 4, 8, "cuda")
-    assert n * length >= 16640 and length % 64 == 0 and 12 <= n <= 16
+    for rows, batch in ((16640, 1), (16640, 4), (16640, 8), (16640, 32), (33024, 4), (2304, 32)):
+        n, length = split_plan(rows, batch, 8, "cuda")
+        blocks = batch * 8 * n
+        assert n * length >= rows > (n - 1) * length and length >= 256, (rows, batch, n, length)
+        assert blocks / (-(-blocks // 396) * 396) > 0.9, (rows, batch, n)
+    assert split_plan(16640, 1, 8, "cuda")[0] == 48 and split_plan(16640, 32, 8, "cuda")[0] == 3
     assert split_plan(32768, 1, 8, "cpu") == (1, 32768)
+
+
+@pytest.mark.parametrize("extra,head_dim,want", [
+    ({"sinks": mx.zeros((8,))}, 64, "the attention has sinks"),
+    ({"alibi_slopes": mx.zeros((8,))}, 64, "ALiBi position biases"),
+    ({"kv_lora_rank": 512}, 64, "not latent caches"),
+    ({}, 72 + 4, "head_dim=76: the kernel reads rows of a multiple of 8"),
+    ({}, 320, "head_dim=320"),
+])
+def test_configurations_it_cannot_serve_say_why(monkeypatch, extra, head_dim, want):
+    """Selected on nothing it cannot compute, whatever `prefer` says (the flag forces speed, not
+    correctness): each rejection names the reason."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("MLX_AOT_DECODE_ATTENTION", "1")
+    attn = SimpleNamespace(n_heads=8, **extra)
+    ks = KernelRegistry.from_yaml().build_kernel_set(sample_attn=attn, n_kv_heads=2, head_dim=head_dim,
+                                                     dtype=mx.bfloat16)
+    assert ks.attention is None and want in ks.rejections["decode_attention"], ks.rejections
+
+
+def test_selected_where_it_can_serve(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("MLX_AOT_DECODE_ATTENTION", "1")
+    ks = KernelRegistry.from_yaml().build_kernel_set(sample_attn=SimpleNamespace(n_heads=8), n_kv_heads=2,
+                                                     head_dim=128, dtype=mx.bfloat16)
+    assert "decode_attention" not in ks.rejections and ks.attention is not None

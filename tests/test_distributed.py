@@ -36,3 +36,37 @@ def test_sharded_model_generates_the_unsharded_tokens(native_artifacts, arch):
         assert r["heads_per_rank"] == [[2, 1]], r          # 4 q / 2 kv heads unsharded
         assert r["fused_layers"] == [0, 1] and r["implementation"] == ["native-cpu"], r
     assert lines[0]["tokens"] == lines[1]["tokens"]
+
+
+def _sharded(*args: str, env: dict | None = None):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "registry.integrations.sharded", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_bad_setups_are_one_line_errors_not_hangs():
+    """A backend named without mlx.launch (a world of one), an unavailable backend, a GPU rank on a
+    machine without one, and heads that the world size cannot split: exit 2, one line, no traceback."""
+    import mlx.core as mx
+
+    from registry.integrations.coverage import ARCHS
+    from registry.integrations.mlx_lm import build_model
+    from registry.integrations.sharded import heads_problem
+
+    r = _sharded("--backend", "ring")
+    assert r.returncode == 2 and r.stderr.startswith("error: --backend ring: ") and "mlx.launch" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = _sharded("--backend", "nccl")
+    assert r.returncode == 2 and r.stderr.startswith("error: --backend nccl: "), r.stderr
+    assert "Traceback" not in r.stderr
+    if not (mx.cuda.is_available() and mx.device_count(mx.gpu) > 0) and not mx.metal.is_available():
+        r = _sharded("--device", "gpu")
+        assert r.returncode == 2 and "this rank sees no GPU" in r.stderr, r.stderr
+    mx.random.seed(0)
+    model = build_model(ARCHS["llama"], dtype=mx.float32)          # 4 q / 2 kv heads
+    assert heads_problem(model, 2) == ""
+    assert heads_problem(model, 4) == "layer 0 has n_kv_heads=2, which 4 ranks cannot split evenly"
+    assert "n_heads=4, which 3 ranks" in heads_problem(model, 3)

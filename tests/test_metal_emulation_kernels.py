@@ -264,6 +264,39 @@ def test_a_read_past_a_view_is_caught(emu_cache):
         call("kv_pool_store", strided_kernel("kv_pool_store", lib), acts, pos, slots, pools, weights)
 
 
+# ----------------------------------------------------------------------------- decode_attention
+
+@pytest.fixture(scope="module")
+def da_lib(emu_cache):
+    return compile_kernel(MANIFEST.kernel("decode_attention"), emu_cache)
+
+
+@pytest.mark.parametrize("dtype", list(MX_DTYPES))
+def test_decode_attention_parity(da_lib, dtype):
+    """The Metal source, emulated and sanitized, against the NumPy oracle of tests/test_decode_attention:
+    a head-major cache with padded and ring rows, then a strided query over a slot table (L = 3, a
+    window, soft-capping) whose unchecked table and valid ranges point outside the pool."""
+    from registry.kernels.decode_attention import DecodeAttentionKernel
+    from tests.test_decode_attention import TOL as DA_TOL, head_major_case, oracle
+
+    kernel = emulated(DecodeAttentionKernel, da_lib, "decode_attention")
+    dt = MX_DTYPES[dtype]
+    q, kp, vp, _, _ = head_major_case(2, 8, 2, 1, 64, 12, dt, seed=4)
+    kv_len, kv_end = mx.array([12, 7], dtype=mx.int32), mx.array([12, 3], dtype=mx.int32)
+    got = kernel(q, kp, vp, kv_len, kv_end, scale=0.125)
+    np.testing.assert_allclose(to_np(got), oracle(q, kp, vp, kv_len, kv_end, None, 0.125), atol=DA_TOL[dt],
+                               rtol=DA_TOL[dt])
+    rng = np.random.default_rng(5)
+    q = mx.array(rng.standard_normal((2, 3, 4, 32)).astype(np.float32)).astype(dt).transpose(0, 2, 1, 3)
+    pool = lambda: mx.array(rng.standard_normal((16, 2, 32)).astype(np.float32)).astype(dt)
+    kp, vp = pool(), pool()
+    table = mx.array([[3, 16, 1, 9, -1, 4], [INT32_MAX, 2, 5, 7, 0, INT32_MIN]], dtype=mx.int32)
+    kv_len = mx.array([6, 99], dtype=mx.int32)          # row 1 clamps to the table's 6 columns
+    got = kernel(q, kp, vp, kv_len, None, table, scale=0.2, window=4, softcap=20.0, check=False)
+    want = oracle(q, kp, vp, kv_len, kv_len, np.array(table), 0.2, 4, 20.0)
+    np.testing.assert_allclose(to_np(got), want, atol=DA_TOL[dt], rtol=DA_TOL[dt])
+
+
 # ----------------------------------------------------------------------------- quantized stores
 
 QUANT_SOURCES = {name: PROJECT_ROOT / "metal_src" / f"{name}.metal"

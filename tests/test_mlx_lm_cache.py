@@ -16,6 +16,7 @@ from registry.core import backend_of
 from tests import _noise
 from registry.integrations import mlx_lm_cache as mc
 from registry.integrations.coverage import ARCHS
+from registry.integrations.tolerance import HALF_LOGIT_TOL
 from registry.integrations.mlx_lm import build_model, import_mlx_lm_module, make_prompt_cache
 
 gen = importlib.import_module("mlx_lm.generate")
@@ -24,7 +25,7 @@ stock = import_mlx_lm_module("cache")
 PROMPT = [3, 17, 42, 99, 7, 11, 5, 8, 200, 1]     # longer than the tiny sliding windows (8)
 PROMPTS = [[3, 17, 42, 99, 7], [11, 5], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12]]
 NEW = 12
-BF16_REL_TOL = 0.05                                 # docs/engine.md: the bf16 tolerance
+BF16_REL_TOL = HALF_LOGIT_TOL                       # docs/engine.md: the bf16 tolerance
 
 
 def fresh_model(arch: str, dtype: str = "float32"):
@@ -394,6 +395,42 @@ def test_direct_switch_and_stock_model(monkeypatch):
             mc.fused_model(model, direct=bad)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])   # gemma3: sliding layers on the rope capture too
+def test_restore_model_undoes_make_prompt_cache(native_artifacts, arch):
+    """restore_model takes out for good what make_prompt_cache installed (the direct classes, the rope
+    switches, the q/k/v packs, the per-model state): stock mlx-lm then computes exactly what it did
+    before, a cache made before keeps working, and make_prompt_cache installs everything again."""
+    from mlx.utils import tree_flatten
+
+    from registry.integrations import direct_attention as da
+    from registry.integrations.mlx_lm import find_attention_layers, restore_model
+    model = fresh_model(arch)
+    layers = find_attention_layers(model)[0]
+    before = {i: (type(a), a.rope) for i, a in layers.items()}
+    params = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    want = run(model, stock.make_prompt_cache(model), PROMPT)
+    old = make_prompt_cache(model)
+    fused = set(mc.fused_model(model).fusions)
+    assert fused and any(da.packed(layers[i]) for i in fused)
+    restore_model(model)
+    assert {i: (type(a), a.rope) for i, a in layers.items()} == before
+    assert not any(da._PACK_ATTR in a.__dict__ for a in layers.values()) and mc._STATE_ATTR not in model.__dict__
+    assert {k: np.array(v) for k, v in tree_flatten(model.parameters())}.keys() == params.keys()
+    for k, v in tree_flatten(model.parameters()):
+        np.testing.assert_array_equal(np.array(v), params[k])
+    again = run(model, stock.make_prompt_cache(model), PROMPT)
+    assert again[0] == want[0]
+    np.testing.assert_array_equal(again[1], want[1])
+    got = run(model, old, PROMPT)                    # a drop-in cache of before: mlx-lm's own update now
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=0)
+    make_prompt_cache(model)
+    assert set(mc.fused_model(model).fusions) == fused and any(type(layers[i]) is not before[i][0] for i in fused)
+    restore_model(model)
+    restore_model(model)                             # nothing installed: nothing to do
+    assert {i: (type(a), a.rope) for i, a in layers.items()} == before
+
+
 # ----------------------------------------------------------------------------- q/k/v in one projection
 
 def _spy_packs(model) -> dict[int, list[int]]:
@@ -553,7 +590,7 @@ def test_bad_arguments():
 def test_batch_decode_slots_are_made_on_the_device(native_artifacts):
     """A batch decode step's slots (b * S + idx) are one Arange every layer shares, not host data:
     on CUDA an array made from host data is managed memory, which the GPU faults in with a copy per
-    step (ncu: ~200 us at batch 32, e2e-root-cause.md section 13). Rows of the merged buffers land
+    step (ncu: ~200 us at batch 32, e2e-root-cause.md, "Host memory on CUDA"). Rows of the merged buffers land
     where the stock cache puts them."""
     from benchmarks.graph_count import count
     from registry.native import device_arange
@@ -660,18 +697,32 @@ def test_prefill_and_growth_never_wait(native_artifacts, direct):
     assert st["syncs"] == 0 and st["first_use_checks"] == 0 and st["copies"] == 0, st
 
 
+# Prompts of different lengths (left padding 0, 7 and 4 in the batch) and which one finishes first:
+# a filter that drops the longest prompt shifts the whole batch left by the padding all others share.
+# The last case decodes two requests at a time: the others join (extend) while one is decoding.
+BATCH_PROMPTS = [[3, 17, 42, 99, 7, 8, 9, 10, 11], [11, 5], [200, 1, 2, 3, 4], [7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 12]]
+FINISHING = {"longest prompt first": ([3, 10, 6], {}), "shortest prompt first": ([10, 3, 6], {}),
+             "middle prompt first": ([6, 10, 3], {}), "two at once, then the longest": ([3, 3, 10], {}),
+             "longest prompt last": ([10, 6, 3], {}),
+             "joining while others decode": ([3, 10, 6, 4], {"completion_batch_size": 2, "prefill_batch_size": 1})}
+
+
+@pytest.mark.parametrize("order", list(FINISHING))
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_batch_generation_never_waits(native_artifacts, arch):
+def test_batch_generation_never_waits(native_artifacts, arch, order):
     """BatchGenerator starts decoding with its batch caches' filter (`keys[indices]`, a gather), and
-    filters again each time a request finishes: the launcher takes the gathered buffers in place as
-    they are (docs/native.md), so a batch generation waits for nothing and copies nothing, with
-    stock's tokens. Before, every fused pool cost a wait on the GPU (two on CUDA) per filter."""
+    filters again each time a request finishes, shifting the buffers left when every request left
+    has padding (mlx-lm slices the gathered buffer there: a view). The launcher takes the filtered
+    buffers in place as they are (docs/native.md), so a batch generation waits for nothing and
+    copies nothing whichever request finishes first, with stock's tokens. Before, a shifted view
+    cost a wait and a copy per fused pool (and a warning that did not apply to cache users)."""
     from registry import native
     model = fresh_model(arch)
-    prompts, max_tokens = [[3, 17, 42, 99, 7], [11, 5, 8, 9, 1], [200, 1, 2, 3, 4]], [3, 10, 6]
+    max_tokens, kw = FINISHING[order]
+    prompts = BATCH_PROMPTS[:len(max_tokens)]
 
     def generate(caches=None):
-        g = gen.BatchGenerator(model, stop_tokens=[], max_tokens=max(max_tokens))
+        g = gen.BatchGenerator(model, stop_tokens=[], max_tokens=max(max_tokens), **kw)
         uids = g.insert(prompts, max_tokens, caches=caches)
         toks, lps = {u: [] for u in uids}, {u: [] for u in uids}
         while responses := g.next_generated():
@@ -764,3 +815,174 @@ def test_attention_not_selected_says_why():
     fm = mc.fused_model(model)
     if backend_of() != "cuda":
         assert "attention: MLX's sdpa (not faster here: on cpu, MLX's own attention" in fm.explain()
+
+
+# ----------------------------------------------------------------------------- snapshots (docs/native.md)
+
+def _numpy(tree) -> list[np.ndarray]:
+    """Every array of a (nested) state as a numpy copy, in order."""
+    out = []
+    for x in tree:
+        if isinstance(x, (list, tuple)):
+            out.extend(_numpy(x))
+        elif isinstance(x, mx.array):
+            out.append(np.array(x))
+    return out
+
+
+def _assert_kept(before: list[np.ndarray], after: list[np.ndarray]):
+    assert len(before) == len(after) > 0
+    for i, (b, a) in enumerate(zip(before, after)):
+        np.testing.assert_array_equal(a, b, err_msg=f"array {i} of the snapshot changed")
+
+
+def _decode(model, caches, n: int, B: int = 1) -> np.ndarray:
+    """n decode steps of B rows (tokens 5, 6, ...), each evaluated: the last position's logits."""
+    return np.stack([np.array(model(mx.array([[5 + i]] * B), cache=caches)[:, -1]) for i in range(n)])
+
+
+def _prefilled(model, prompts, steps: int, make=make_prompt_cache, merged: bool | None = None):
+    """(caches, rows) after a prefill per request and `steps` decode steps: one request's caches, or
+    (merged, default: with several requests) theirs merged into the batch classes as BatchGenerator
+    merges them."""
+    parts = []
+    for p in prompts:
+        c = make(model)
+        mx.eval(model(mx.array([p]), cache=c))
+        parts.append(c)
+    merged = len(prompts) > 1 if merged is None else merged
+    caches = [c[0].merge(list(c)) for c in zip(*parts)] if merged else parts[0]
+    _decode(model, caches, steps, len(prompts))
+    return caches, len(prompts)
+
+
+@pytest.mark.parametrize("api", ["state", "copy.deepcopy"])
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])      # gemma3: a rotating layer (window 8) too
+def test_state_and_deepcopy_are_snapshots(native_artifacts, arch, batch, api):
+    """cache.state and copy.deepcopy(cache) of KVCache, RotatingKVCache, BatchKVCache and
+    BatchRotatingKVCache hand out values that the cache's later steps (written in place, past the
+    window too) never change; the cache decodes on exactly as without the snapshot, and the
+    snapshot's one copy is the cache's own concatenate: no copy-on-write in the launcher, no wait."""
+    from registry import native
+    model = fresh_model(arch)
+    prompts = [PROMPT, PROMPT[:4]] if batch else [PROMPT]
+    want = _decode(model, _prefilled(model, prompts, 2)[0], 10, len(prompts))
+    caches, B = _prefilled(model, prompts, 2)
+    held = [c.state for c in caches] if api == "state" else copy.deepcopy(caches)
+    snapshot = (lambda: held) if api == "state" else (lambda: [c.state for c in held])
+    before = _numpy(snapshot())
+    native.reset_stats()
+    got = _decode(model, caches, 10, B)
+    st = native.stats()
+    _assert_kept(before, _numpy(snapshot()))
+    np.testing.assert_array_equal(got, want)
+    assert st["launches"] > 0 and st["copies"] == 0 and st["syncs"] == 0, st
+
+
+EXTRACT_CASES = {"llama, two requests": ("llama", [PROMPT, PROMPT[:4]], 2),
+                 "gemma3, two requests": ("gemma3", [PROMPT, PROMPT[:4]], 2),
+                 # the rows fill the buffer (window full, not wrapped): mlx-lm's mx.contiguous is a view
+                 "gemma3, one request filling its window": ("gemma3", [PROMPT[:5]], 3)}
+
+
+@pytest.mark.parametrize("case", list(EXTRACT_CASES))
+def test_extract_is_a_snapshot(native_artifacts, case):
+    """BatchKVCache / BatchRotatingKVCache.extract(i) (BatchGenerator's finished responses,
+    extract_cache, remove(return_prompt_caches=True)) gives stock mlx-lm's caches, as buffers of their
+    own: the batch's later steps never change them, evaluated or not, and they decode on without a
+    wait or a copy-on-write."""
+    from registry import native
+    arch, prompts, steps = EXTRACT_CASES[case]
+    model = fresh_model(arch)
+    ref, _ = _prefilled(model, prompts, steps, stock.make_prompt_cache, merged=True)
+    want = [[c.extract(i) for c in ref] for i in range(len(prompts))]
+    caches, B = _prefilled(model, prompts, steps, merged=True)
+    got = [[c.extract(i) for c in caches] for i in range(B)]
+    evaluated = _numpy([c.state for c in got[0]])               # request 0's: evaluated now, the others lazy
+    for g, w in zip(got, want):
+        for gc, wc in zip(g, w):
+            assert type(gc).__name__ == type(wc).__name__ and gc.kernel is not None
+            assert gc.offset == wc.offset and gc.keys.shape == wc.keys.shape
+            assert getattr(gc, "_idx", None) == getattr(wc, "_idx", None)
+            for a, b in ((gc.keys, wc.keys), (gc.values, wc.values)):
+                np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4, rtol=0)
+    lazy = [[c.extract(i) for c in caches] for i in range(B)]
+    lazy_want = _numpy([[c.state for c in g] for g in got])
+    native.reset_stats()
+    _decode(model, caches, 10, B)                                # past the window: every ring slot rewritten
+    _assert_kept(evaluated, _numpy([c.state for c in got[0]]))
+    _assert_kept(lazy_want, _numpy([[c.state for c in g] for g in lazy]))
+    _decode(model, lazy[-1], 3)
+    st = native.stats()
+    assert st["copies"] == 0 and st["syncs"] == 0, st
+
+
+def test_trimmed_copy_decodes_without_changing_the_original(native_artifacts):
+    """The server's prompt-cache reuse: copy.deepcopy of a stored cache, trim_prompt_cache on the copy,
+    decode it and the original in turn; a state snapshot taken before stays as it was through a trim
+    of the original too (the next steps overwrite the trimmed rows in place). Both decode as stock
+    mlx-lm's caches after the same calls, with no copy-on-write and no wait."""
+    from registry import native
+    model = fresh_model("llama")                 # KVCache: trimmable (a full rotating window is not)
+
+    def flow(make):
+        cache, _ = _prefilled(model, [PROMPT], 2, make)
+        snap = [c.state for c in cache]
+        before = _numpy(snap)
+        dup = copy.deepcopy(cache)
+        assert stock.trim_prompt_cache(dup, 3) == 3
+        native.reset_stats()
+        steps = [_decode(model, c, 4) for c in (dup, cache, dup)]
+        assert stock.trim_prompt_cache(cache, 5) == 5
+        steps.append(_decode(model, cache, 4))
+        return np.concatenate(steps), before, _numpy(snap), native.stats()
+
+    want = flow(stock.make_prompt_cache)[0]
+    got, before, after, st = flow(make_prompt_cache)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    _assert_kept(before, after)
+    assert st["launches"] > 0 and st["copies"] == 0 and st["syncs"] == 0, st
+
+
+def test_batch_generate_returns_prompt_caches_as_snapshots(native_artifacts):
+    """batch_generate(return_prompt_caches=True) with the drop-in caches: each request's cache as stock
+    returns it (taken when the request finished, while the others kept decoding), fused, and
+    generate_step continues it as stock's."""
+    from types import SimpleNamespace
+    model = fresh_model("gemma3")
+    tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
+    prompts, kw = BATCH_PROMPTS[:3], dict(max_tokens=[3, 10, 6], return_prompt_caches=True)
+    want = gen.batch_generate(model, tokenizer, prompts, **kw)
+    got = gen.batch_generate(model, tokenizer, prompts, prompt_caches=[make_prompt_cache(model) for _ in prompts],
+                             **kw)
+    for g, w in zip(got.caches, want.caches):
+        for gc, wc in zip(g, w):
+            assert type(gc).__name__ == type(wc).__name__ and gc.kernel is not None and gc.offset == wc.offset
+            for a, b in zip(_numpy(gc.state), _numpy(wc.state)):
+                np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    assert run(model, got.caches[0], [9], 4)[0] == run(model, want.caches[0], [9], 4)[0]
+
+
+def test_a_snapshot_of_a_buffer_not_yet_computed_is_copied_with_advice_for_cache_users(native_artifacts, caplog):
+    """A state snapshot taken between two forwards with no evaluation refers to buffers the cache can
+    not yet copy itself: the launcher writes through its copy-on-write (the snapshot keeps its values)
+    and warns with what applies to a drop-in cache user, naming the layer, not a kernel caller's advice."""
+    from registry import native
+    model = fresh_model("llama")
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    model(mx.array([[4]]), cache=cache)
+    snap = [c.state for c in cache]
+    native.reset_stats()
+    with caplog.at_level("WARNING", logger="registry"):
+        model(mx.array([[5]]), cache=cache)
+    st = native.stats()
+    ref = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=ref))
+    mx.eval(model(mx.array([[4]]), cache=ref))
+    _assert_kept(_numpy([c.state for c in ref]), _numpy(snap))
+    assert st["copies"] == 2 * len(cache), st
+    messages = [r.getMessage() for r in caplog.records if "copy-on-write" in r.getMessage()]
+    assert len(messages) == 1 and "layer 0's KVCache buffer of the drop-in cache" in messages[0], messages
+    assert "Rebind the returned pools" not in messages[0]

@@ -278,6 +278,7 @@ def test_copies_are_counted_and_warned_once_per_kernel(native_artifacts, caplog)
     warnings = [r for r in caplog.records if "copy-on-write" in r.getMessage()]
     assert len(warnings) == 1 and "k_pool" in warnings[0].getMessage()
     assert "pool.astype(pool.dtype)" in warnings[0].getMessage()
+    assert "Rebind the returned pools" in warnings[0].getMessage()       # a kernel caller's advice
     del keep
 
 

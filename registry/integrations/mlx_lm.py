@@ -75,6 +75,13 @@ def make_prompt_cache(model, max_kv_size: int | None = None, **kwargs) -> list:
     return fused(model, max_kv_size, **kwargs)
 
 
+def restore_model(model) -> None:
+    """Undo make_prompt_cache on `model` for good (registry/integrations/mlx_lm_cache.py)."""
+    from .mlx_lm_cache import restore_model as restore
+
+    restore(model)
+
+
 def make_own_cache(model) -> list:
     """mlx-lm's own cache list for `model` (make_prompt_cache: the model's make_cache, else KVCache)."""
     return import_mlx_lm_module("cache").make_prompt_cache(model)

@@ -60,7 +60,8 @@ from . import direct_attention
 from ._capture import (DataflowError, RopeCall, RopeCapture, rebind, resolve, resolve_with_module_rope,
                        split_calls)
 from .. import envs
-from ..native import device_arange, device_indices
+from ..errors import NativeUnavailableError
+from ..native import COPY_ADVISERS, device_arange, device_indices, import_ext
 from .mlx_lm import (ModelKernels, build_kernel_sets, cache_at, find_attention_layers, import_mlx_lm_module,
                      kv_cache_path, rope_attr)
 
@@ -282,9 +283,54 @@ class _Fused:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            if k not in ("_launch", "_launch_norm", "_launch_store"):   # the copy starts its own streams of launches
+            if k not in _LAUNCH_SLOTS:          # the copy starts its own streams of launches
                 new.__dict__[k] = v if k in ("_fusion", "_quant") else copy.deepcopy(v, memo)
+        self._handed_out()                      # MLX's deepcopy of an array is an alias: both share the buffers
         return new
+
+    @property
+    def state(self):
+        """mlx-lm's state as a snapshot: every array a new array object of the same array (an alias,
+        as copy.deepcopy gives), so writes of later steps never reach it (docs/native.md,
+        "Snapshots"). Free when dropped, as mlx-lm's own loops do after evaluating it; one copy of
+        the buffers at this cache's next write while it is kept."""
+        st = super().state
+        self._handed_out()
+        return _alias(st)
+
+    @state.setter
+    def state(self, v):
+        super(_Fused, type(self)).state.fset(self, v)
+        self._handed_out()                      # the caller may still hold the arrays it set
+
+    def _handed_out(self) -> None:
+        """This cache's buffers were handed out (state, deepcopy, extract): dropping the launch slots
+        makes the next write take _write's slow path, which runs _unshare first."""
+        for k in _LAUNCH_SLOTS:
+            self.__dict__.pop(k, None)
+
+    def _unshare(self) -> None:
+        """A buffer that another array object or a pending op still refers to (a snapshot handed out
+        and kept) becomes a copy of its own (one concatenate, which the launcher takes in place), so
+        the snapshot keeps its values and the launcher need not copy behind a guard, with a warning.
+        A buffer not yet computed is left to the launcher: its own count also sees the pending
+        launch's sibling outputs, which this one cannot tell from a snapshot."""
+        counts = _owner_counts()
+        if counts is None:
+            return
+
+        def unshared(a):
+            if isinstance(a, (tuple, list)):            # a quantized buffer: (data, scales, biases)
+                return type(a)(unshared(x) for x in a)
+            if isinstance(a, mx.array):
+                refs, buffer_refs = counts(a)
+                if refs > 1 and buffer_refs >= 0:
+                    return _compact(a)
+            return a
+
+        for name in ("keys", "values"):
+            if self.__dict__.get(name) is not None:
+                self.__dict__[name] = unshared(self.__dict__[name])
 
     def update_and_fetch(self, keys, values):
         """mlx-lm's update_and_fetch after the attention's two rope calls: the capture's path (the
@@ -419,7 +465,8 @@ class _Fused:
         # the last signature's plan directly, the launcher refusing any other shapes or dtypes.
         slot = "_launch" if weights is None else "_launch_norm"
         last = self.__dict__.get(slot)
-        if last is None or last[0] is not f:
+        if last is None or last[0] is not f:       # the first write, or the first since a snapshot
+            self._unshare()
             last = self.__dict__[slot] = (f, f.kernel_for(weights).last_bound())
         q_rot, k_rot, *pools = last[1](q, k, values, positions, slots, *self._pools(), *(weights or ()))
         self._set_pools(pools)
@@ -567,7 +614,7 @@ def _batch_index(offset: mx.array, start: int, L: int, S: int, backend: str) -> 
     are a constant every layer of a step shares (memoised); a decode step's positions are the
     offsets themselves, and its slots b * S + start one Arange on the device (device_arange): no host
     data, so no per-step copy of managed memory that the GPU must fault in (ncu at batch 32: ~200 us
-    per step, docs/benchmarks/e2e-root-cause.md section 13)."""
+    per step, docs/benchmarks/e2e-root-cause.md, "Host memory on CUDA")."""
     B = offset.shape[0]
     if L == 1:
         return (offset if offset.dtype == mx.int32 else offset.astype(mx.int32)), device_arange(start, B, S, backend)
@@ -601,8 +648,35 @@ class BatchKVCache(_Fused, _stock.BatchKVCache):
             device_arange(self._idx, 1, 1, self._fusion.backend)
         return (off if off.dtype == mx.int32 else off.astype(mx.int32)), end, int(window or 0)
 
+    def filter(self, batch_indices):
+        """mlx-lm's, but the buffers stay pools: mlx-lm gathers the kept rows, then slices off the
+        left padding they all share (when the request with the longest prompt has finished), a
+        view the launcher could write only through a copy, after computing it (a wait). Here the
+        gather reads the sliced rows instead: the same values, and its output is a new buffer."""
+        keys, values, idx = self.keys, self.values, self._idx
+        self.keys = self.values = None
+        try:
+            super().filter(batch_indices)          # offsets, left padding and _idx, shifted as mlx-lm's
+        finally:
+            self.keys, self.values = keys, values
+        if keys is not None:
+            shift = idx - self._idx
+            if shift:
+                keys, values = keys[..., shift:, :], values[..., shift:, :]
+            self.keys, self.values = keys[batch_indices], values[batch_indices]
+
     def extract(self, idx):
-        return _rebind(super().extract(idx), [self])
+        """mlx-lm's, but the request's rows as buffers of their own (_compact): mlx-lm's
+        mx.contiguous keeps a view of the batch buffer where the rows are contiguous there (one
+        request, no padding), which the batch's later in-place writes would change."""
+        mx.eval(self.left_padding)
+        padding = self.left_padding.tolist()[idx]
+        cache = KVCache(self._fusion)
+        cache.keys = _compact(self.keys[idx:idx + 1, :, padding:self._idx])
+        cache.values = _compact(self.values[idx:idx + 1, :, padding:self._idx])
+        cache.offset = cache.keys.shape[2]
+        self._handed_out()
+        return cache
 
 
 class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
@@ -660,7 +734,19 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
         return (off if off.dtype == mx.int32 else off.astype(mx.int32)), end, 0
 
     def extract(self, idx):
-        return _rebind(super().extract(idx), [self])
+        """mlx-lm's, with the rows as buffers of their own, as BatchKVCache.extract."""
+        mx.eval(self.left_padding, self.offset)
+        padding = max(0, self.left_padding.tolist()[idx])
+        keys, values, end = self.keys[idx:idx + 1], self.values[idx:idx + 1], self._idx
+        if self.rotated:
+            keys, values, end = mx.roll(keys, -self._idx, axis=2), mx.roll(values, -self._idx, axis=2), self.max_size
+        cache = RotatingKVCache(self.max_size, fusion=self._fusion)
+        cache.keys = _compact(keys[:, :, padding:end])
+        cache.values = _compact(values[:, :, padding:end])
+        cache.offset = self.offset.tolist()[idx]
+        cache._idx = cache.keys.shape[2]
+        self._handed_out()
+        return cache
 
 
 def _compact(v: mx.array) -> mx.array:
@@ -668,6 +754,45 @@ def _compact(v: mx.array) -> mx.array:
     new one (mx.contiguous keeps a view that is already contiguous, with its offset)."""
     half = v.shape[2] // 2
     return mx.concatenate([v[..., :half, :], v[..., half:, :]], axis=2)
+
+
+_LAUNCH_SLOTS = ("_launch", "_launch_norm", "_launch_store")
+
+
+def _alias(x):
+    """x with every array a new array object of the same array (nested tuples and lists too)."""
+    if isinstance(x, mx.array):
+        return copy.copy(x)
+    return type(x)(_alias(y) for y in x) if isinstance(x, (tuple, list)) else x
+
+
+def _copy_advice() -> str | None:
+    """registry.native's copy adviser: when the launch that copies is a drop-in cache's write, what
+    applies to its user (who never sees the pools the kernel returns)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _Fused._write.__code__:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    cache = frame.f_locals.get("self")
+    return (f"The pool is layer {cache._fusion.layer}'s {type(cache).__name__} buffer of the drop-in cache: "
+            "something kept referring to it across a step (a cache.state / copy.deepcopy / extract snapshot "
+            "taken between two forwards with no evaluation, or an op on cache.keys or cache.values not yet "
+            "evaluated), or an mlx-lm cache method left the buffer as a view (please report that). A snapshot "
+            "taken after an evaluation costs no such copy (docs/native.md, \"Snapshots\").")
+
+
+COPY_ADVISERS.append(_copy_advice)
+
+
+def _owner_counts():
+    """registry._ext.owner_counts (array -> (array objects and pending ops referring to it, buffer
+    owners or -1 when not computed)), or None without the extension: then every kernel runs its
+    reference path, which writes no buffer in place."""
+    try:
+        return import_ext().owner_counts
+    except NativeUnavailableError:
+        return None
 
 
 _FUSED = {c.__name__: c for c in (KVCache, RotatingKVCache, BatchKVCache, BatchRotatingKVCache)}
@@ -834,6 +959,19 @@ def _set_direct(state: FusedModel, attn_layers: dict, own: list, direct: bool) -
     state.direct = direct
 
 
+def _take_out(model, state: FusedModel) -> list:
+    """Take the rope switches and direct attention classes out of the fused layers; what was there,
+    as (attention, its class, rope attribute, switch), to put back."""
+    attn_layers = find_attention_layers(model)[0]
+    taken = []
+    for i, f in state.fusions.items():
+        attn, attr = attn_layers[i], rope_attr(attn_layers[i])
+        taken.append((attn, type(attn), attr, getattr(attn, attr)))
+        direct_attention.uninstall(attn)
+        setattr(attn, attr, f.switch.rope)
+    return taken
+
+
 @contextlib.contextmanager
 def stock_model(model):
     """mlx-lm's model exactly as shipped for the block (the rope switches and direct attention
@@ -842,19 +980,26 @@ def stock_model(model):
     if state is None:
         yield model
         return
-    attn_layers = find_attention_layers(model)[0]
-    taken = []
-    for i, f in state.fusions.items():
-        attn, attr = attn_layers[i], rope_attr(attn_layers[i])
-        taken.append((attn, type(attn), attr, getattr(attn, attr)))
-        direct_attention.uninstall(attn)
-        setattr(attn, attr, f.switch.rope)
+    taken = _take_out(model, state)
     try:
         yield model
     finally:
         for attn, cls, attr, switch in taken:
             setattr(attn, attr, switch)
             attn.__class__ = cls
+
+
+def restore_model(model) -> None:
+    """Undo make_prompt_cache on `model` for good: its attention classes, rope modules and q/k/v
+    projections run mlx-lm's own code again (the projections keep their weights, as views of the
+    packed rows), and the next make_prompt_cache plans the model anew. Caches made before keep
+    working as mlx-lm's own. A model make_prompt_cache never saw is left as it is."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return
+    for attn, *_ in _take_out(model, state):
+        direct_attention.pack_qkv(attn, enabled=False)
+    del model.__dict__[_STATE_ATTR]
 
 
 def _bind_entry(entry, fm: FusedModel, i: int):

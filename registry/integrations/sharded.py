@@ -14,6 +14,14 @@ the tokens (sampled with a fixed seed) match the unsharded model's, and the larg
 difference (at most 1e-4 required). Exit status 1 on a
 mismatch. `--model` takes the architectures of docs/coverage.md whose mlx-lm module implements
 `shard` (llama, qwen2, qwen3, ministral3, ...).
+
+On GPUs, one rank per GPU over NCCL: `mlx.launch --backend nccl -n 2 -- python -m
+registry.integrations.sharded --backend nccl --device gpu --dtype bfloat16`. Bad setups end with exit
+status 2 and one line naming what is wrong, before any collective could wait forever: a backend
+this MLX cannot start (`mx.distributed.is_available`, then `init(strict=True)`), a world size of 1
+when a backend was named (the launcher did not start the ranks), `--device gpu` on a rank that has
+no GPU, and a world size that does not divide a layer's query or KV heads (mlx-lm's shard() would
+split them unevenly).
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="llama", help="architecture name (docs/coverage.md) with mlx-lm's shard()")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--prompt", default="3,17,42,99,7,11", help="comma-separated token ids")
+    p.add_argument("--backend", default="any", choices=("any", "ring", "mpi", "nccl", "jaccl"),
+                   help="mx.distributed backend (any: the first that starts)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
+                   help="where each rank runs (auto: MLX's default device)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = p.parse_args(argv)
 
     from registry.integrations.coverage import ARCHS
@@ -48,11 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"error: --prompt {args.prompt!r}: expected comma-separated token ids", file=sys.stderr)
         return 2
-    group = mx.distributed.init()
+    group, why = _group(args.backend)
+    if group is None:
+        print(f"error: --backend {args.backend}: {why}", file=sys.stderr)
+        return 2
+    why = _use_device(args.device, group)
+    if why:
+        print(f"error: rank {group.rank()}: --device {args.device}: {why}", file=sys.stderr)
+        return 2
     mx.random.seed(0)
-    model = build_model(ARCHS[names[args.model]], dtype=mx.float32)
+    model = build_model(ARCHS[names[args.model]], dtype=getattr(mx, args.dtype))
     if not hasattr(model, "shard"):
         print(f"error: mlx-lm's {type(model).__module__} has no shard()", file=sys.stderr)
+        return 2
+    why = heads_problem(model, group.size())
+    if why:
+        print(f"error: world size {group.size()}: {why}", file=sys.stderr)
         return 2
     stock = import_mlx_lm_module("cache")
 
@@ -83,6 +107,46 @@ def main(argv: list[str] | None = None) -> int:
                                                                          for f in fm.fusions.values()}),
                       "tokens": got[0], "same_tokens": same, "max_logprob_diff": diff}), flush=True)
     return 0 if same and diff <= 1e-4 else 1
+
+
+def _group(backend: str):
+    """(the global group, "") or (None, why it cannot be had)."""
+    if not mx.distributed.is_available(backend):
+        return None, f"this MLX build cannot start it (mx.distributed.is_available({backend!r}) is False)"
+    try:
+        group = mx.distributed.init(strict=backend != "any", backend=backend)
+    except RuntimeError as e:
+        return None, (f"mx.distributed.init failed: {str(e).strip()} (start the ranks with mlx.launch, e.g. "
+                      f"mlx.launch --backend {backend} -n 2 -- python -m registry.integrations.sharded ...)")
+    if backend != "any" and group.size() < 2:
+        return None, "a world of 1 rank: start the ranks with mlx.launch (e.g. mlx.launch --backend nccl -n 2 -- ...)"
+    return group, ""
+
+
+def _use_device(device: str, group) -> str:
+    """Make `device` the default for this rank; "" or why it cannot."""
+    if device == "auto":
+        return ""
+    if device == "cpu":
+        mx.set_default_device(mx.cpu)
+        return ""
+    if not (mx.cuda.is_available() or mx.metal.is_available()) or mx.device_count(mx.gpu) < 1:
+        return "this rank sees no GPU (MLX has no GPU backend or no device here)"
+    mx.set_default_device(mx.gpu)
+    return ""
+
+
+def heads_problem(model, size: int) -> str:
+    """"" when `size` ranks divide every attention layer's query and KV heads, else which layer and
+    heads do not divide (mlx-lm's shard() splits heads evenly across the group)."""
+    from registry.integrations.mlx_lm import find_attention_layers
+
+    for i, attn in find_attention_layers(model)[0].items():
+        for name in ("n_heads", "n_kv_heads"):
+            n = getattr(attn, name, None)
+            if isinstance(n, int) and n % size:
+                return f"layer {i} has {name}={n}, which {size} ranks cannot split evenly"
+    return ""
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class LayerPlan:
     norms: tuple = ()                  # (attribute, module) of q/k norms the kernel applies (bypassed in forwards)
     direct: bool = False               # fused/reference: the call runs in direct_attention's form (else: capture)
     direct_reason: str = ""            # why not, when direct attention was asked for
+    attention: Any = None              # fused, direct: decode_attention over the pool through the batch's slot table
 
     @property
     def how(self) -> str:
@@ -116,6 +117,7 @@ class Step:
     table: mx.array | None            # int32 [batch, ctx]: slots to attend (padded); None with a span
     key_pos: mx.array | None = None   # int32 [batch, ctx]: position of each context slot (-1: padding);
     query_pos: mx.array | None = None  # int32 [batch, length]  (both None at batch 1: see make_mask)
+    lens: mx.array | None = None      # int32 [batch]: each request's context (the table's valid columns)
 
     def windowed(self, window: int | None) -> bool:
         """A lone request's decode token past a sliding window: a layer of that window reads only its
@@ -231,7 +233,26 @@ class PoolCache:
         if norms and not self.plan.norms:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q_rot, _ = self._call(q, k, v)
+        if self._attends(q.shape[2]):             # direct_attend reads the pool: no gather of the context
+            return q_rot, None, None
         return (q_rot, *self._read())
+
+    def _attends(self, L: int) -> bool:
+        """Whether direct_attend runs this step: decode_attention selected for the layer, a batch (a slot
+        table; a lone request reads its run of slots as a view) and at most 8 new tokens."""
+        return self.plan.attention is not None and self.engine.step_ctx.table is not None and L <= 8 \
+            and self.engine.step_ctx.lens is not None
+
+    def direct_attend(self, attn, q: mx.array, mask):
+        """direct_attention's attention: decode_attention over the pool through the step's slot table,
+        each request's context length and the layer's window as data (the mask the engine made says
+        the same); None where MLX's attention runs (a lone request, a prefill chunk, no kernel)."""
+        if not self._attends(q.shape[2]):
+            return None
+        ctx = self.engine.step_ctx
+        self.engine.calls["decode_attention"] += 1
+        return self.plan.attention(q, self.k_pool, self.v_pool, ctx.lens, None, ctx.table, scale=attn.scale,
+                                   window=int(self.window or 0), check=False)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         ctx = self.engine.step_ctx
@@ -258,7 +279,7 @@ class PoolCache:
     def _run(pool: mx.array, first: int, n: int) -> mx.array:
         """Slots first .. first + n - 1 of a [S, H, D] pool as the [1, H, n, D] view attention reads, no
         copy: two graph nodes (a flatten and the view) where a slice, an expand and a transpose are
-        three, each costing host time on CUDA (docs/benchmarks/e2e-root-cause.md, section 12). The
+        three, each costing host time on CUDA (docs/benchmarks/e2e-root-cause.md). The
         pool stays slot-major: a batch's gather of whole [H, D] rows took 1.1-1.75x less time than a
         head-major pool's on the H200 and 2.4-4.4x less on the CPU (benchmarks.pool_layout, section 12)."""
         S, H, D = pool.shape
@@ -407,10 +428,12 @@ class SlotEngine:
             call = (lambda q, k, v, p, s, kp, vp, _k=kernel.last_bound(), _qn=q_norm, _kn=k_norm:
                     _k(q, k, v, p, s, kp, vp, _qn.weight, _kn.weight))
             return LayerPlan(i, "fused", f"q/k {ctx.qk_norm.source} + RoPE + cache write: {_impl(kernel)}", call,
-                             window, kernel="qk_norm_rope_pool_fused", norms=((qn, q_norm), (kn, k_norm)))
+                             window, kernel="qk_norm_rope_pool_fused", norms=((qn, q_norm), (kn, k_norm)),
+                             attention=getattr(ks, "attention", None))
         if self.mode == "fused" and ks.rope is not None:
             kernel = ks.rope
-            return LayerPlan(i, "fused", _impl(kernel), kernel.last_bound(), window)
+            return LayerPlan(i, "fused", _impl(kernel), kernel.last_bound(), window,
+                             attention=getattr(ks, "attention", None))
         if ctx.rope is not None and ctx.attention == "mha":
             cfg = ctx.rope
             call = (lambda q, k, v, p, s, kp, vp, _c=cfg: rope_pool_fused_reference(q, k, v, p, s, kp, vp, rope=_c))
@@ -559,9 +582,9 @@ class SlotEngine:
                 table[b, n:] = r.slots[0]              # padding reads a valid slot; the mask hides it
             ar = self._arange[:ctx_len][None]
             kpos = np.where(ar < np.asarray(lens, np.int32)[:, None], ar, np.int32(-1))
-            positions, slots, table, kpos, qpos = device_indices(self._backend, qpos.reshape(-1), new_slots,
-                                                                 table, kpos, qpos)
-            self.step_ctx = Step(B, L, offsets, ctx_len, positions, slots, None, table, kpos, qpos)
+            positions, slots, table, kpos, qpos, lens_d = device_indices(self._backend, qpos.reshape(-1), new_slots,
+                                                                         table, kpos, qpos, lens)
+            self.step_ctx = Step(B, L, offsets, ctx_len, positions, slots, None, table, kpos, qpos, lens_d)
         if self._static_caches is not None:
             caches = self._static_caches
         else:

@@ -29,20 +29,26 @@ KERNEL_NAME = "decode_attention"
 MAX_QUERY = 8                 # query tokens per sequence (decode, speculative verification)
 MAX_HEAD_DIM = 256
 CUDA_THREADS = 128            # cuda_src/decode_attention.cu THREADS
-TARGET_BLOCKS = 512           # about four waves of the H200's 132 SMs at the kernel's occupancy
+CUDA_SLOTS = 396              # resident blocks: 3 per SM (the kernel's registers) x 132 SMs (H100/H200 SXM)
+MAX_SPLITS = 128              # cuda_src/decode_attention.cu MAX_SPLITS
 MIN_SPLIT = 256               # keys per split at least (a split's fixed cost: its partials and merge)
 HEAD_MAJOR, SLOT_MAJOR = 1, 0
 
 
 def split_plan(rows: int, batch: int, n_kv_heads: int, backend: str) -> tuple[int, int]:
-    """(n_splits, split_len) for a row capacity of `rows` keys: enough blocks to fill the GPU, each
-    split at least MIN_SPLIT keys, a multiple of 64. One split off CUDA (the CPU and Metal entries run
-    each row whole). The one source of the split: the kernel checks n_splits * split_len >= rows."""
+    """(n_splits, split_len) for a row capacity of `rows` keys: the blocks (batch x kv heads x splits)
+    fill whole waves of CUDA_SLOTS resident blocks as nearly as possible (a ragged last wave idles the
+    rest of the GPU), with the fewest splits within 3% of the best fill, each split at least MIN_SPLIT
+    keys. One split off CUDA (the CPU and Metal entries run each row whole). The one source of the
+    split: the kernel checks n_splits * split_len >= rows."""
     if backend != "cuda" or rows <= MIN_SPLIT:
         return 1, max(rows, 1)
-    want = max(1, -(-TARGET_BLOCKS // max(batch * n_kv_heads, 1)))
-    splits = max(1, min(want, -(-rows // MIN_SPLIT)))
-    split_len = -(-(-(-rows // splits)) // 64) * 64
+    base = max(batch * n_kv_heads, 1)
+    fill = {s: base * s / (-(-base * s // CUDA_SLOTS) * CUDA_SLOTS)
+            for s in range(1, min(MAX_SPLITS, -(-rows // MIN_SPLIT)) + 1)}
+    best = max(fill.values())
+    splits = min(s for s, f in fill.items() if f >= best - 0.03)
+    split_len = -(-rows // splits)
     return -(-rows // split_len), split_len
 
 
@@ -183,6 +189,7 @@ class DecodeAttentionKernel(PoolKernel):
 
     def reference(self, q, k_pool, v_pool, kv_len, kv_end, table, scale=1.0, window=0, softcap=0.0):
         """Pure MLX: the keys gathered per row by the contract's index map, fp32 softmax."""
+        kv_end = kv_len if kv_end is None else kv_end
         B, Hq, L, D = q.shape
         if k_pool.ndim == 4:
             Hkv, rows = k_pool.shape[1], k_pool.shape[2]
@@ -246,10 +253,13 @@ class DecodeAttentionKernel(PoolKernel):
         return (B * Hq * L * splits * (D + 2) if splits > 1 else 1), B * Hkv
 
     # -- calls
-    def __call__(self, q, k_pool, v_pool, kv_len, kv_end=None, table=None, *, scale, window: int = 0,
-                 softcap: float = 0.0, check: bool = True):
+    def __call__(self, q, k_pool, v_pool, kv_len, kv_end=None, table=None, scale=None, window: int = 0,
+                 softcap: float = 0.0, *, check: bool = True):
         """`out` [B, Hq, L, D]. check=True also checks the valid ranges and table entries (one host
         sync); the kernel never reads outside the pool or table regardless."""
+        if scale is None:
+            raise KernelArgumentError("decode_attention: scale is required (the attention's softmax scale, "
+                                      "e.g. head_dim ** -0.5)")
         kv_end = kv_len if kv_end is None else kv_end
         if self._launcher is None:
             self.validate(q, k_pool, v_pool, kv_len, kv_end, table, scale, window, softcap)

@@ -61,7 +61,7 @@ def metal_geometry(n_tokens: int, n_q_heads: int, n_kv_heads: int, head_dim: int
 
 # Below this many threads a launch is bound by one thread's latency, not by memory: a decode step's
 # few hundred threads would each compute W cos/sin in turn (ncu on the H200: 13 us per call at W = 8,
-# e2e-root-cause.md section 7), so the vector narrows and more threads share the rows.
+# e2e-root-cause.md), so the vector narrows and more threads share the rows.
 LATENCY_THREADS = 4096
 
 
