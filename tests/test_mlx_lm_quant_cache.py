@@ -239,3 +239,21 @@ def test_rotating_caches_stay_float(native_artifacts):
     assert [type(c).__name__ for c in cache] == [type(c).__name__ for c in own]
     assert {type(c) for c in cache} == {mc.RotatingKVCache, mq.QuantizedKVCache}
     assert_close(run(model, cache, PROMPT), want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "smollm3 (NoPE layers)"])
+def test_a_kept_state_is_a_snapshot(native_artifacts, arch):
+    """state hands out the buffers (words, scales, biases per side) as a snapshot: the kernels' next
+    in-place writes (rope_quant_pool_fused, kv_quant_pool_store in smollm3's NoPE layer) never reach
+    it (docs/native.md, "Snapshots")."""
+    model = model_of(arch)
+    cache = make_prompt_cache(model, kv_bits=8, kv_group_size=64)
+    run(model, cache, PROMPT, n=2)
+    kept = [c.state for c in cache]
+    before = [[np.array(x) if x.dtype == mx.uint32 else np.array(x.astype(mx.float32)) for x in (*k, *v)]
+              for k, v, *_ in kept]
+    run(model, cache, [9, 8, 7], n=3)
+    for (k, v, *_), want in zip(kept, before):
+        for x, w in zip((*k, *v), want):
+            np.testing.assert_array_equal(np.array(x) if x.dtype == mx.uint32 else np.array(x.astype(mx.float32)), w)
+    assert all(c.offset > kept[0][2] for c in cache)

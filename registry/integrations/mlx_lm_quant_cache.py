@@ -237,7 +237,8 @@ class QuantizedKVCache(_Fused, _stock.QuantizedKVCache):
         self._room(prev, keys, values)
         slots = _rows_index(prev, keys.shape, self.keys[0].shape[2], store.backend)[1]
         last = self.__dict__.get("_launch_store")
-        if last is None or last[0] is not store:
+        if last is None or last[0] is not store:   # the first write, or the first since a snapshot
+            self._unshare()
             last = self.__dict__["_launch_store"] = (store, store.last_bound())
         self._set_pools(last[1](keys, values, slots, *self._pools()))
         self.__dict__["_fused_off"] = prev + keys.shape[2]
