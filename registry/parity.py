@@ -146,12 +146,20 @@ def _qk_norm_rope_pool_fused() -> list[Case]:
     return cases
 
 
+def _normal(seed: int):
+    """(the generator, arr(shape, dtype name): a standard normal array of that dtype)."""
+    rng = np.random.default_rng(seed)
+    return rng, lambda shape, dt: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(MX_DTYPES[dt])
+
+
+def i32(x) -> mx.array:
+    return mx.array(np.asarray(x, np.int32))
+
+
 @parity("decode_attention")
 def _decode_attention() -> list[Case]:
     from .kernels.decode_attention import DecodeAttentionKernel as K
-    rng = np.random.default_rng(30)
-    arr = lambda shape, dt: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(MX_DTYPES[dt])
-    i32 = lambda x: mx.array(np.asarray(x, np.int32))
+    rng, arr = _normal(30)
     cases = []
     for i, dt in enumerate(MX_DTYPES):        # head-major caches: left padding, ring order (row 1), GQA
         q = arr((2, 8, 1, 64), dt)
@@ -226,9 +234,7 @@ def _rope_quant_pool_fused() -> list[Case]:
 def _decode_attention_quantized() -> list[Case]:
     from .kernels._base import PoolFormat
     from .kernels.decode_attention_quantized import DecodeAttentionQuantizedKernel as K
-    rng = np.random.default_rng(60)
-    arr = lambda shape, dt: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(MX_DTYPES[dt])
-    i32 = lambda x: mx.array(np.asarray(x, np.int32))
+    rng, arr = _normal(60)
     quant = lambda x, fmt: tuple(mx.quantize(x, group_size=fmt.group_size, bits=fmt.bits))
     cases = []
     for dt, fmt in zip(MX_DTYPES, (PoolFormat(8, 64), PoolFormat(4, 32), PoolFormat(4, 128))):
