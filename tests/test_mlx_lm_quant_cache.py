@@ -257,3 +257,21 @@ def test_a_kept_state_is_a_snapshot(native_artifacts, arch):
         for x, w in zip((*k, *v), want):
             np.testing.assert_array_equal(np.array(x) if x.dtype == mx.uint32 else np.array(x.astype(mx.float32)), w)
     assert all(c.offset > kept[0][2] for c in cache)
+
+
+def test_quant_decode_benchmark_runs_and_reports_memory(native_artifacts, capsys, tmp_path):
+    """benchmarks/quant_decode.py (the GPU host's measurement of issue 35's targets) on a tiny size: one
+    line per mode, no pool copied, the quantized caches' memory at the ideal fraction of bf16's."""
+    import json
+
+    from benchmarks.quant_decode import main
+
+    out = tmp_path / "q.json"
+    main(["--size", "tiny-llama", "--batch", "2", "--context", "300", "--steps", "2", "--rounds", "1",
+          "--group-size", "32", "--json", str(out)])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tiny-llama")]
+    assert len(lines) == 3 and all("pool copies 0" in ln for ln in lines), lines
+    res = json.loads(out.read_text())["results"]
+    assert res["q8"]["kv_bytes"] / res["bf16"]["kv_bytes"] == pytest.approx((1 + 2 * 2 / 32) / 2)
+    assert res["q4"]["kv_bytes"] / res["bf16"]["kv_bytes"] == pytest.approx((0.5 + 2 * 2 / 32) / 2)
+    assert all(r["tokens_per_s"] > 0 for r in res.values())
