@@ -4,6 +4,11 @@
 #include <cstdint>
 #include <cstring>
 
+// The entry points' linkage (every kernel source defines its entries with it).
+#ifndef AOT_EXPORT
+#define AOT_EXPORT extern "C" __attribute__((visibility("default")))
+#endif
+
 namespace aot_cpu {
 
 inline uint32_t bits_of(float f) {

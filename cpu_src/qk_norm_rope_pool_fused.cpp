@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "aot_cpu.h"
+#include "aot_rope.h"
 
 #define AOT_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -12,38 +13,6 @@ namespace {
 
 using aot_cpu::buffer;
 using aot_cpu::scalar;
-
-struct Params {
-  int head_dim, rotary_dims;
-  bool traditional;
-  float mscale, eps, weight_offset;
-};
-
-// One head's row: RMSNorm in fp32 rounded once to T (as the model's own norm returns T), then the
-// rotation of the first rotary_dims features in fp32, rounded once more. `normed` is scratch.
-template <typename C>
-void norm_rope_row(const typename C::storage* __restrict in, typename C::storage* __restrict out,
-                   const float* __restrict weight, const float* cs, const float* sn, const Params& p,
-                   float* normed) {
-  const int D = p.head_dim;
-  float ss = 0.0f;
-  for (int i = 0; i < D; ++i) {
-    const float x = C::load(in[i]);
-    ss += x * x;
-  }
-  const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + p.eps);
-  for (int i = 0; i < D; ++i)
-    normed[i] = C::load(C::store(C::load(in[i]) * r * (weight[i] + p.weight_offset)));
-  const int half = p.rotary_dims / 2;
-  for (int i = 0; i < half; ++i) {
-    const int a = p.traditional ? 2 * i : i;
-    const int b = p.traditional ? 2 * i + 1 : i + half;
-    const float x1 = normed[a] * p.mscale, x2 = normed[b] * p.mscale;
-    out[a] = C::store(x1 * cs[i] - x2 * sn[i]);
-    out[b] = C::store(x1 * sn[i] + x2 * cs[i]);
-  }
-  for (int i = p.rotary_dims; i < D; ++i) out[i] = C::store(normed[i]);  // exact: normed[i] is a T value
-}
 
 template <typename A, typename P>
 void run(void** args) {
@@ -64,7 +33,7 @@ void run(void** args) {
   const int pool_rows = scalar<int32_t>(args, 12);
   const int n_q_heads = scalar<int32_t>(args, 13);
   const int n_kv_heads = scalar<int32_t>(args, 14);
-  Params p;
+  aot_cpu::NormRope p;
   p.head_dim = scalar<int32_t>(args, 15);
   p.rotary_dims = scalar<int32_t>(args, 16);
   p.traditional = scalar<int32_t>(args, 17) != 0;
@@ -89,14 +58,9 @@ void run(void** args) {
   std::vector<float> cs(half), sn(half), normed(p.head_dim);
   const size_t D = static_cast<size_t>(p.head_dim);
   for (int t = 0; t < n_tokens; ++t) {
-    const float pos = static_cast<float>(positions[t]) * pos_scale;
-    for (int i = 0; i < half; ++i) {
-      const float angle = pos * inv_freq[i];
-      cs[i] = std::cos(angle);
-      sn[i] = std::sin(angle);
-    }
+    aot_cpu::token_angles(positions[t], pos_scale, inv_freq, half, cs.data(), sn.data());
     for (int h = 0; h < n_q_heads; ++h) {
-      norm_rope_row<A>(aot_cpu::row_in(q, vq, t, h, p.head_dim, scratch.data()), q_out + vqo.row(t, h), q_weight,
+      aot_cpu::norm_rope_row<A>(aot_cpu::row_in(q, vq, t, h, p.head_dim, scratch.data()), q_out + vqo.row(t, h), q_weight,
                        cs.data(), sn.data(), p, normed.data());
     }
     const int slot = slots[t];
@@ -105,7 +69,7 @@ void run(void** args) {
     const size_t b = write ? static_cast<size_t>(slot / pool_rows) : 0, s = write ? static_cast<size_t>(slot % pool_rows) : 0;
     for (int h = 0; h < n_kv_heads; ++h) {
       T* ko = k_out + vko.row(t, h);
-      norm_rope_row<A>(aot_cpu::row_in(k, vk, t, h, p.head_dim, scratch.data()), ko, k_weight, cs.data(), sn.data(),
+      aot_cpu::norm_rope_row<A>(aot_cpu::row_in(k, vk, t, h, p.head_dim, scratch.data()), ko, k_weight, cs.data(), sn.data(),
                        p, normed.data());
       if (write) {
         const T* vr = aot_cpu::row_in(v, vv, t, h, p.head_dim, scratch.data());

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "aot_cpu.h"
+#include "aot_rope.h"
 
 #define AOT_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -17,32 +18,6 @@ namespace {
 using aot_cpu::BF16;
 using aot_cpu::F16;
 using aot_cpu::F32;
-
-// One head's row: the rotary pairs, then the pass-through tail copied bit for bit. Half-split and
-// traditional pairing are separate loops so each walks memory linearly.
-template <typename C>
-void rotate_row(const typename C::storage* __restrict in, typename C::storage* __restrict out,
-                const float* __restrict cs, const float* __restrict sn, int head_dim, int rotary_dims,
-                bool traditional, float mscale) {
-  const int half = rotary_dims / 2;
-  if (traditional) {
-    for (int i = 0; i < half; ++i) {
-      const float x1 = C::load(in[2 * i]) * mscale;
-      const float x2 = C::load(in[2 * i + 1]) * mscale;
-      out[2 * i] = C::store(x1 * cs[i] - x2 * sn[i]);
-      out[2 * i + 1] = C::store(x1 * sn[i] + x2 * cs[i]);
-    }
-  } else {
-    for (int i = 0; i < half; ++i) {
-      const float x1 = C::load(in[i]) * mscale;
-      const float x2 = C::load(in[i + half]) * mscale;
-      out[i] = C::store(x1 * cs[i] - x2 * sn[i]);
-      out[i + half] = C::store(x1 * sn[i] + x2 * cs[i]);
-    }
-  }
-  if (rotary_dims < head_dim)  // pass-through features: an exact copy
-    std::memcpy(out + rotary_dims, in + rotary_dims, sizeof(*in) * (head_dim - rotary_dims));
-}
 
 // Element offset of pool row (slot, h). Slot-major [S, Hkv, D]: slot is the row. Head-major
 // [B, Hkv, S, D] (mlx-lm's KVCache): slot = b * S + s. 64-bit: pools can exceed 2^31 elements.
@@ -102,22 +77,17 @@ void run(void** args) {
   std::vector<float> cs(half), sn(half);
   for (int t = 0; t < n_tokens; ++t) {
     // cos/sin once per (token, pair), shared by every q and k head of the token.
-    const float p = static_cast<float>(positions[t]) * pos_scale;
-    for (int i = 0; i < half; ++i) {
-      const float angle = p * inv_freq[i];
-      cs[i] = std::cos(angle);
-      sn[i] = std::sin(angle);
-    }
+    aot_cpu::token_angles(positions[t], pos_scale, inv_freq, half, cs.data(), sn.data());
     for (int h = 0; h < n_q_heads; ++h) {
-      rotate_row<C>(aot_cpu::row_in(q, vq, t, h, head_dim, scratch.data()), q_out + vqo.row(t, h), cs.data(),
-                    sn.data(), head_dim, rotary_dims, traditional, mscale);
+      aot_cpu::rotate_row<C>(aot_cpu::row_in(q, vq, t, h, head_dim, scratch.data()), q_out + vqo.row(t, h),
+                             cs.data(), sn.data(), head_dim, rotary_dims, traditional, mscale);
     }
     const int slot = slots[t];
     // slot < 0: rotate only; >= pool_size: never written (nor with no rows to divide by).
     const bool write = slot >= 0 && slot < pool_size && (!head_major || pool_rows > 0);
     for (int h = 0; h < n_kv_heads; ++h) {
       T* ko = k_out + vko.row(t, h);
-      rotate_row<C>(aot_cpu::row_in(k, vk, t, h, head_dim, scratch.data()), ko, cs.data(), sn.data(), head_dim,
+      aot_cpu::rotate_row<C>(aot_cpu::row_in(k, vk, t, h, head_dim, scratch.data()), ko, cs.data(), sn.data(), head_dim,
                     rotary_dims, traditional, mscale);
       if (write) {
         const size_t dst = pool_offset(slot, h, n_kv_heads, pool_rows, head_dim, head_major);

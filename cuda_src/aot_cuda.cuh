@@ -72,4 +72,14 @@ __device__ __forceinline__ void store_unit(T* p, int step, bool vec, const Vec<T
   for (int j = 0; j < W; ++j) p[static_cast<long long>(j) * step] = x.v[j];
 }
 
+// One rotary pair (y1, y2) rotated by `angle` in fp32, mscale applied to the inputs first (the input
+// mscale of YaRN and SuScaled RoPE): x1' = m x1 cos - m x2 sin, x2' = m x1 sin + m x2 cos.
+__device__ __forceinline__ void rotate_pair(float& y1, float& y2, float angle, float mscale) {
+  float s, c;
+  sincosf(angle, &s, &c);
+  const float x1 = y1 * mscale, x2 = y2 * mscale;
+  y1 = x1 * c - x2 * s;
+  y2 = x1 * s + x2 * c;
+}
+
 }  // namespace aot_cuda

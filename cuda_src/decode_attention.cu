@@ -10,32 +10,21 @@
 // then merged across lane groups, warps and, with n_splits > 1, across the blocks of a row
 // (flash-decoding): each block writes (max, sum, unnormalised output) to the workspace and the last
 // block to arrive (a counter per (row, kv head) in `locks`, reset by that block) combines them.
+// All of that is aot_attention.cuh's attend (decode_attention_quantized's too); this file has the
+// float rows' policy: raw 16-byte units per lane, unpacked when used.
 #include <math.h>
 #include <stdint.h>
 
 #include <type_traits>
 
+#include "aot_attention.cuh"
 #include "aot_cuda.cuh"
 
 namespace {
 
 using aot_cuda::Cvt;
 using aot_cuda::Strides;
-
-constexpr int WARPS = 4;
-constexpr int THREADS = WARPS * 32;
-constexpr int EPL = 8;         // elements of a row per lane
-constexpr int RC = 4;          // query rows per pass over the keys (accumulators live in registers)
-constexpr int TILE = 4;        // key steps loaded before any is used (latency)
-constexpr int MAX_DIM = 256;   // EPL * 32 lanes
-constexpr int MAX_SPLITS = 128;
-constexpr float LOG2E = 1.4426950408889634f;
-
-struct Params {
-  int batch, seq_len, n_q_heads, n_kv_heads, head_dim, pool_layout, pool_rows, table_cols, window;
-  float scale, softcap;
-  int n_splits, split_len;
-};
+using namespace aot_attn;
 
 // EPL elements of a row kept as raw 16-byte units until used (registers: 4 per unit, not 8 floats),
 // so more rows can be in flight per thread.
@@ -70,293 +59,33 @@ __device__ __forceinline__ void unpack(const Raw<T>& r, float (&x)[EPL]) {
   }
 }
 
-// Sum over the LPK lanes of a key's row (lanes xor-adjacent within the group).
-template <int LPK>
-__device__ __forceinline__ float group_sum(float x) {
-#pragma unroll
-  for (int o = LPK / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-// 2^x with the hardware's approximation (relative error about 2^-22): exp2f's exact path costs
-// several instructions per score, and a decode step computes one per key and query row.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// tanh from exp2: CUDA's tanhf is an approximation (about 2^-11 relative) on this toolchain.
-__device__ __forceinline__ float tanh_precise(float x) {
-  const float t = 1.f - 2.f / (exp2f(2.f * LOG2E * fabsf(x)) + 1.f);
-  return copysignf(t, x);
-}
-
-// Combine (m, l, acc) with another partial of the same rows (base-2 log-sum-exp).
-__device__ __forceinline__ void merge(float& m, float& l, float* acc, float mo, float lo, const float* acco) {
-  const float mn = fmaxf(m, mo);
-  const float a = m == -INFINITY ? 0.f : fast_exp2(m - mn);
-  const float b = mo == -INFINITY ? 0.f : fast_exp2(mo - mn);
-  l = l * a + lo * b;
-#pragma unroll
-  for (int e = 0; e < EPL; ++e) acc[e] = acc[e] * a + acco[e] * b;
-  m = mn;
-}
-
-// Shared memory of a block, declared once (every instantiation of body shares it).
-struct Shared {
-  float part[WARPS][RC][MAX_DIM + 2];    // per warp: (max, sum, output) of the pass's rows
-  float weight[WARPS][MAX_SPLITS];       // the split merge: each split's weight for a warp's row
-  int last_block;
-};
-
-template <typename T, int LPK, bool CAP, bool MASKED>
-__device__ __forceinline__ void body(const T* __restrict__ q, T* __restrict__ out, const T* __restrict__ k_pool,
-                     const T* __restrict__ v_pool, const int32_t* __restrict__ kv_len,
-                     const int32_t* __restrict__ kv_end, const int32_t* __restrict__ table, float* workspace,
-                     int32_t* locks, const Params& p, const Strides& qs, Shared& sh) {
-  auto& part = sh.part;
-  auto& weight = sh.weight;
-  int& last_block = sh.last_block;
-  const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  const int D = p.head_dim, L = p.seq_len, G = p.n_q_heads / p.n_kv_heads, R = G * L;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  constexpr int lpk = LPK;                              // lanes per key: LPK * EPL >= D
-  const int kpi = 32 / lpk, grp = lane / lpk, sub = lane % lpk;
-  const int d0 = sub * EPL;                             // this lane's first feature
-  const bool dims = d0 < D;                             // D % 8 == 0: all EPL features or none
-
-  const int rows = p.pool_layout == 0 ? p.table_cols : p.pool_rows;
-  const int n = min(max(kv_len[b], 0), rows);          // valid keys of this row
-  int first = 0;                                        // head-major: buffer row of logical key 0
-  if (p.pool_layout != 0) {
-    first = static_cast<int>((static_cast<long long>(kv_end[b]) - n) % rows);   // 64-bit: any int32 kv_end
-    if (first < 0) first += rows;
-  }
-  const int lo_win = p.window > 0 ? max(0, n - L - p.window + 1) : 0;
-  const int k_lo = max(split * p.split_len, lo_win);
-  const int k_hi = min((split + 1) * p.split_len, n);
-  const long long head_rows = (static_cast<long long>(b) * p.n_kv_heads + hk) * rows;   // head-major
-  const bool split_out = p.n_splits > 1;
-
-  // Scores in base 2: q carries scale * log2(e), or scale alone when soft-capping comes first.
-  const float qscale = CAP ? p.scale : p.scale * LOG2E;
-  const float inv_cap = CAP ? 1.f / p.softcap : 0.f;
-  for (int r0 = 0; r0 < R; r0 += RC) {
-    float qv[RC][EPL], acc[RC][EPL], m[RC], l[RC];
-    int hi_r[RC], lo_r[RC];                             // the keys query row r sees: [lo_r, hi_r]
-#pragma unroll
-    for (int r = 0; r < RC; ++r) {
-      m[r] = -INFINITY;
-      l[r] = 0.f;
-      const int row = r0 + r, g = row / L, t = row % L, hq = hk * G + g;
-      hi_r[r] = row < R ? n - L + t : -1;
-      lo_r[r] = p.window > 0 ? hi_r[r] - p.window + 1 : 0;
-      const long long base = static_cast<long long>(b) * qs.s[0] + static_cast<long long>(hq) * qs.s[1] +
-                             static_cast<long long>(t) * qs.s[2];
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        acc[r][e] = 0.f;
-        const bool ok = row < R && dims;
-        qv[r][e] = ok ? Cvt<T>::load(q[base + static_cast<long long>(d0 + e) * qs.s[3]]) * qscale : 0.f;
-      }
-    }
-    for (int step0 = warp; k_lo + step0 * kpi < k_hi; step0 += WARPS * TILE) {
-      Raw<T> kr[TILE], vr[TILE];
-      int key[TILE];
-#pragma unroll
-      for (int j = 0; j < TILE; ++j) {               // every load of the tile first: latency overlaps
-        const int i = k_lo + (step0 + j * WARPS) * kpi + grp;
-        long long off = -1;
-        if (i < k_hi) {
-          if (p.pool_layout == 0) {
-            const int slot = table[static_cast<long long>(b) * p.table_cols + i];
-            if (slot >= 0 && slot < p.pool_rows) off = (static_cast<long long>(slot) * p.n_kv_heads + hk) * D;
-          } else {
-            const int phys = first + i < rows ? first + i : first + i - rows;   // ring order
-            off = (head_rows + phys) * D;
-          }
-        }
-        key[j] = off >= 0 ? i : 0x7fffffff;             // a key never seen: past every hi_r
-        if (off >= 0 && dims) {
-          load_raw<T>(k_pool + off + d0, kr[j]);
-          load_raw<T>(v_pool + off + d0, vr[j]);
-        } else {
-          zero_raw<T>(kr[j]);
-          zero_raw<T>(vr[j]);
-        }
-      }
-      float s[RC][TILE];
-#pragma unroll
-      for (int j = 0; j < TILE; ++j) {
-        float kf[EPL];
-        unpack<T>(kr[j], kf);
-#pragma unroll
-        for (int r = 0; r < RC; ++r) {
-          float dot = 0.f;
-#pragma unroll
-          for (int e = 0; e < EPL; ++e) dot = fmaf(qv[r][e], kf[e], dot);
-          dot = group_sum<LPK>(dot);
-          if constexpr (CAP) dot = p.softcap * LOG2E * tanh_precise(dot * inv_cap);
-          // L = 1 and no window: every key in range is visible to every row (invalid keys: INT_MAX)
-          const bool see = MASKED ? key[j] <= hi_r[r] && key[j] >= lo_r[r] : key[j] <= hi_r[r];
-          s[r][j] = see ? dot : -INFINITY;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < RC; ++r) {                 // s becomes the probabilities (base 2, online)
-        float mt = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < TILE; ++j) mt = fmaxf(mt, s[r][j]);
-        const float mn = fmaxf(m[r], mt);
-        const float base = mn == -INFINITY ? 0.f : mn;   // nothing seen yet: every 2^(-inf - 0) is 0
-        const float a = fast_exp2(m[r] - base);           // rescale what came before (2^-inf = 0)
-        l[r] *= a;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[r][e] *= a;
-#pragma unroll
-        for (int j = 0; j < TILE; ++j) {
-          s[r][j] = fast_exp2(s[r][j] - base);
-          l[r] += s[r][j];
-        }
-        m[r] = mn;
-      }
-#pragma unroll
-      for (int j = 0; j < TILE; ++j) {
-        float vf[EPL];
-        unpack<T>(vr[j], vf);
-#pragma unroll
-        for (int r = 0; r < RC; ++r) {
-#pragma unroll
-          for (int e = 0; e < EPL; ++e) acc[r][e] = fmaf(s[r][j], vf[e], acc[r][e]);
-        }
-      }
-    }
-    // Lane groups of a warp hold the same features of different keys: merge them.
-#pragma unroll
-    for (int r = 0; r < RC; ++r) {
-      for (int o = lpk; o < 32; o *= 2) {
-        float acco[EPL];
-        const float mo = __shfl_xor_sync(0xffffffffu, m[r], o);
-        const float lo = __shfl_xor_sync(0xffffffffu, l[r], o);
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) acco[e] = __shfl_xor_sync(0xffffffffu, acc[r][e], o);
-        merge(m[r], l[r], acc[r], mo, lo, acco);
-      }
-      if (grp == 0 && dims) {
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) part[warp][r][d0 + e] = acc[r][e];
-      }
-      if (lane == 0) {
-        part[warp][r][MAX_DIM] = m[r];
-        part[warp][r][MAX_DIM + 1] = l[r];
-      }
-    }
-    __syncthreads();
-    // Warps: each thread combines features of the pass's rows.
-    const int rows_here = min(RC, R - r0);
-    for (int idx = threadIdx.x; idx < rows_here * D; idx += THREADS) {
-      const int r = idx / D, d = idx % D, row = r0 + r;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, part[w][r][MAX_DIM]);
-      float sum = 0.f, val = 0.f;
-      if (mx != -INFINITY) {
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-          const float mw = part[w][r][MAX_DIM];
-          const float f = mw == -INFINITY ? 0.f : fast_exp2(mw - mx);
-          sum += part[w][r][MAX_DIM + 1] * f;
-          val += part[w][r][d] * f;
-        }
-      }
-      const int g = row / L, t = row % L, hq = hk * G + g;
-      if (!split_out) {
-        const long long o = ((static_cast<long long>(b) * p.n_q_heads + hq) * L + t) * D + d;
-        out[o] = Cvt<T>::store(sum > 0.f ? val / sum : 0.f);
-      } else {
-        float* w = workspace + ((static_cast<long long>(b * p.n_kv_heads + hk) * p.n_splits + split) * R + row) * (D + 2);
-        w[d] = val;
-        if (d == 0) {
-          w[D] = mx;
-          w[D + 1] = sum;
-        }
-      }
-    }
-    __syncthreads();
-  }
-  if (!split_out) return;
-  // Flash-decoding: the last block of this (row, kv head) to finish combines every split.
-  __threadfence();
-  __syncthreads();
-  int32_t* lock = locks + b * p.n_kv_heads + hk;
-  if (threadIdx.x == 0) last_block = atomicAdd(lock, 1) == p.n_splits - 1;
-  __syncthreads();
-  if (!last_block) return;
-  __threadfence();
-  const float* ws = workspace + static_cast<long long>(b * p.n_kv_heads + hk) * p.n_splits * R * (D + 2);
-  const int S = p.n_splits;
-  for (int row = warp; row < R; row += WARPS) {        // a warp per query row
-    float mx = -INFINITY;
-    for (int s = lane; s < S; s += 32) mx = fmaxf(mx, __ldcg(ws + (static_cast<long long>(s) * R + row) * (D + 2) + D));
-    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float sum = 0.f;
-    for (int s = lane; s < S; s += 32) {
-      const float* w = ws + (static_cast<long long>(s) * R + row) * (D + 2);
-      const float ms = __ldcg(w + D);
-      const float f = ms == -INFINITY ? 0.f : fast_exp2(ms - mx);
-      weight[warp][s] = f;
-      sum += f * __ldcg(w + D + 1);
-    }
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    __syncwarp();
-    const int g = row / L, t = row % L, hq = hk * G + g;
-    T* o = out + ((static_cast<long long>(b) * p.n_q_heads + hq) * L + t) * D;
-    for (int d = lane; d < D; d += 32) {
-      float val = 0.f;
-#pragma unroll 8
-      for (int s = 0; s < S; ++s) val = fmaf(__ldcg(ws + (static_cast<long long>(s) * R + row) * (D + 2) + d), weight[warp][s], val);
-      o[d] = Cvt<T>::store(sum > 0.f ? val / sum : 0.f);
-    }
-    __syncwarp();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) atomicExch(lock, 0);   // zero at rest, for the next launch
-}
-
-// Lanes per key (the row's 16-byte units, at least 8 lanes) and soft-capping, as compile-time
-// choices: the per-key loop then has no runtime loop or branch for either.
-template <typename T, int LPK>
-__device__ __forceinline__ void dispatch_lpk(const T* q, T* out, const T* k_pool, const T* v_pool,
-                                             const int32_t* kv_len, const int32_t* kv_end, const int32_t* table,
-                                             float* workspace, int32_t* locks, const Params& p, const Strides& qs,
-                                             Shared& sh) {
-  const bool masked = p.seq_len > 1 || p.window > 0;
-  if (p.softcap > 0.f) {
-    masked ? body<T, LPK, true, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
-           : body<T, LPK, true, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-  } else {
-    masked ? body<T, LPK, false, true>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh)
-           : body<T, LPK, false, false>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-  }
-}
-
-// Lanes per key (the row's 16-byte units, at least 8 lanes), soft-capping, and whether rows see
-// different keys (L > 1 or a window) as compile-time choices: the per-key loop then has no runtime
-// loop or branch for any of them.
+// Float K/V rows: a lane's EPL elements of a key and a value row as raw 16-byte units.
 template <typename T>
-__device__ void dispatch(const T* q, T* out, const T* k_pool, const T* v_pool, const int32_t* kv_len,
-                         const int32_t* kv_end, const int32_t* table, float* workspace, int32_t* locks,
-                         const Params& p, const Strides& qs) {
-  __shared__ Shared sh;
-  if (p.head_dim <= 8 * EPL) {
-    dispatch_lpk<T, 8>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-  } else if (p.head_dim <= 16 * EPL) {
-    dispatch_lpk<T, 16>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
-  } else {
-    dispatch_lpk<T, 32>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+struct FloatRows {
+  struct Lane {
+    Raw<T> r;
+  };
+  const T* k_pool;
+  const T* v_pool;
+  int D;
+
+  __device__ __forceinline__ void load(long long row, int d0, Lane& kl, Lane& vl) const {
+    load_raw<T>(k_pool + row * D + d0, kl.r);
+    load_raw<T>(v_pool + row * D + d0, vl.r);
   }
-}
+  __device__ static __forceinline__ void zero(Lane& kl, Lane& vl) {
+    zero_raw<T>(kl.r);
+    zero_raw<T>(vl.r);
+  }
+  __device__ static __forceinline__ void keys(const Lane& kl, float (&kf)[EPL]) { unpack<T>(kl.r, kf); }
+  __device__ static __forceinline__ float dot(const Lane&, const float (&kf)[EPL], const float (&qv)[EPL], float) {
+    float d = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) d = fmaf(qv[e], kf[e], d);
+    return d;
+  }
+  __device__ static __forceinline__ void values(const Lane& vl, float (&vf)[EPL]) { unpack<T>(vl.r, vf); }
+};
 
 }  // namespace
 
@@ -367,15 +96,11 @@ __device__ void dispatch(const T* q, T* out, const T* k_pool, const T* v_pool, c
       const int32_t* table, float* workspace, int32_t* locks, int batch, int seq_len, int n_q_heads,       \
       int n_kv_heads, int head_dim, int pool_layout, int pool_rows, int table_cols, int window,             \
       float scale, float softcap, int n_splits, int split_len, Strides q_strides) {                        \
-    const Params p{batch,     seq_len, n_q_heads, n_kv_heads, head_dim, pool_layout, pool_rows,            \
-                   table_cols, window, scale,     softcap,    n_splits, split_len};                        \
-    if (head_dim < 8 || head_dim > MAX_DIM || head_dim % 8 || n_kv_heads < 1 || n_q_heads % n_kv_heads ||  \
-        seq_len < 1 || n_splits < 1 || n_splits > MAX_SPLITS || split_len < 1 || blockDim.x != THREADS ||                           \
-        static_cast<int>(gridDim.x) != n_splits || static_cast<int>(gridDim.y) != n_kv_heads ||            \
-        static_cast<int>(gridDim.z) != batch || (pool_layout == 0 ? table_cols < 0 : pool_rows < 1) ||      \
-        static_cast<long long>(n_splits) * split_len < (pool_layout == 0 ? table_cols : pool_rows))        \
-      return;                                                                                             \
-    dispatch<T>(q, out, k_pool, v_pool, kv_len, kv_end, table, workspace, locks, p, q_strides);            \
+    const Shape p{batch,      seq_len, n_q_heads, n_kv_heads, head_dim, pool_layout, pool_rows,            \
+                  table_cols, window,  scale,     softcap,    n_splits, split_len};                        \
+    if (!shape_ok(p)) return;                                                                             \
+    attend<T>(q, out, FloatRows<T>{k_pool, v_pool, head_dim}, kv_len, kv_end, table, workspace, locks, p,   \
+              q_strides);                                                                                 \
   }
 
 DA_ENTRY(decode_attention_f16, __half)

@@ -137,13 +137,7 @@ __device__ void body(const T* __restrict__ q, const T* __restrict__ k, const T* 
       const int a = c.a[j], b = c.b[j];
       float y1 = rounded<T>(c.x1[j] * r * (c.w1[j] + p.weight_offset));
       float y2 = rounded<T>(c.x2[j] * r * (c.w2[j] + p.weight_offset));
-      if (i < half_rot) {
-        float s, co;
-        sincosf(pos * c.f[j], &s, &co);
-        const float x1 = y1 * p.mscale, x2 = y2 * p.mscale;
-        y1 = x1 * co - x2 * s;
-        y2 = x1 * s + x2 * co;
-      }
+      if (i < half_rot) aot_cuda::rotate_pair(y1, y2, pos * c.f[j], p.mscale);
       const T o1 = Cvt<T>::store(y1), o2 = Cvt<T>::store(y2);
       out[a * out_step] = o1;
       out[b * out_step] = o2;

@@ -13,6 +13,7 @@ gets a reason; `explain()` prints them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass, field
@@ -52,11 +53,25 @@ class SelectionContext:
     qk_norm_error: str = "the attention has no per-head q/k norm"
     attention_sinks: bool = False          # learned sink logits (gpt-oss's `sinks`)
     alibi: bool = False                    # ALiBi position biases
+    # The KV cache's format: float rows (kv_bits None), or mlx-lm's affine quantization (4 or 8 bits)
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    kv_scales_dtype: str | None = None
 
     def as_mapping(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("attention", "rope", "rope_error", "n_heads", "n_kv_heads",
                                               "head_dim", "dtype", "backend", "applies_rope", "qk_norm",
-                                              "qk_norm_error", "attention_sinks", "alibi")}
+                                              "qk_norm_error", "attention_sinks", "alibi", "kv_bits", "kv_group_size",
+                                              "kv_scales_dtype")}
+
+    def quantized(self, bits: int | None, group_size: int | None = None,
+                  scales_dtype: Any = None) -> "SelectionContext":
+        """This context for a KV cache of `bits` (None: float rows) and `group_size`, the scales in
+        `scales_dtype` (default: the activations')."""
+        if bits is None:
+            return dataclasses.replace(self, kv_bits=None, kv_group_size=None, kv_scales_dtype=None)
+        return dataclasses.replace(self, kv_bits=bits, kv_group_size=group_size,
+                                   kv_scales_dtype=_dtype_name(scales_dtype) or self.dtype)
 
 
 def _first_attr(obj: Any, *names: str) -> Any:
@@ -110,11 +125,16 @@ def _dtype_name(dtype: Any) -> str | None:
 
 
 def describe_attention(*, sample_attn: Any, n_kv_heads: int, head_dim: int, dtype: Any = None,
-                       device: mx.Device | None = None) -> SelectionContext:
-    """Build the selection context for one attention module."""
+                       device: mx.Device | None = None, kv_bits: int | None = None,
+                       kv_group_size: int | None = None, kv_scales_dtype: Any = None) -> SelectionContext:
+    """Build the selection context for one attention module (and its KV cache's format: kv_bits None
+    for float rows, else mlx-lm's quantized cache of kv_bits and kv_group_size)."""
     for name, value in (("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"build_kernel_set: {name} must be a positive int, got {value!r}")
+    for name, value in (("kv_bits", kv_bits), ("kv_group_size", kv_group_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"build_kernel_set: {name} must be a positive int or None, got {value!r}")
     layout = attention_layout(sample_attn)
     n_heads = _first_attr(sample_attn, "n_heads", "num_heads", "num_attention_heads")
     n_heads = int(n_heads) if isinstance(n_heads, int) else n_kv_heads
@@ -131,12 +151,13 @@ def describe_attention(*, sample_attn: Any, n_kv_heads: int, head_dim: int, dtyp
         dtype = _module_dtype(sample_attn)
     qk_norm, qk_norm_error = describe_qk_norm(sample_attn, head_dim) if layout == "mha" else (
         None, "MLA attention: no per-head q/k norm")
-    return SelectionContext(attention=layout, rope=rope, rope_error=rope_error, n_heads=n_heads,
-                            n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=_dtype_name(dtype),
-                            backend=backend_of(device), device=device, module=sample_attn,
-                            qk_norm=qk_norm, qk_norm_error=qk_norm_error,
-                            attention_sinks=getattr(sample_attn, "sinks", None) is not None,
-                            alibi=any(getattr(sample_attn, a, None) is not None for a in ("alibi", "alibi_slopes")))
+    ctx = SelectionContext(attention=layout, rope=rope, rope_error=rope_error, n_heads=n_heads,
+                           n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=_dtype_name(dtype),
+                           backend=backend_of(device), device=device, module=sample_attn,
+                           qk_norm=qk_norm, qk_norm_error=qk_norm_error,
+                           attention_sinks=getattr(sample_attn, "sinks", None) is not None,
+                           alibi=any(getattr(sample_attn, a, None) is not None for a in ("alibi", "alibi_slopes")))
+    return ctx.quantized(kv_bits, kv_group_size, kv_scales_dtype)
 
 
 # (q norm, k norm) attribute names of mlx-lm 0.32's attention modules.
@@ -206,8 +227,10 @@ class KernelSet:
             f"{ctx.rope.source}(rotary_dims={ctx.rope.rotary_dims}, traditional={ctx.rope.traditional}, "
             f"{'base=' + format(ctx.rope.base, 'g') if ctx.rope.base is not None else 'periods table'}, "
             f"pos_scale={ctx.rope.pos_scale:g}, mscale={ctx.rope.mscale:g})")
+        cache = "" if ctx.kv_bits is None else (f" cache={ctx.kv_bits}-bit/group {ctx.kv_group_size} "
+                                                f"(scales {ctx.kv_scales_dtype or 'unknown'})")
         lines = [f"kernel set for {ctx.attention} attention: heads={ctx.n_heads} kv_heads={ctx.n_kv_heads} "
-                 f"head_dim={ctx.head_dim} dtype={ctx.dtype or 'unknown'} backend={ctx.backend} rope={rope}"]
+                 f"head_dim={ctx.head_dim} dtype={ctx.dtype or 'unknown'} backend={ctx.backend} rope={rope}{cache}"]
         for name, kernel in self.kernels.items():
             impl = getattr(kernel, "implementation", "")
             why = getattr(kernel, "reason", "")
@@ -278,9 +301,10 @@ class KernelRegistry:
         return None
 
     def build_kernel_set(self, *, sample_attn: Any, n_kv_heads: int, head_dim: int, dtype: Any = None,
-                         device: mx.Device | None = None) -> KernelSet:
+                         device: mx.Device | None = None, **kv_format) -> KernelSet:
+        """kv_format: kv_bits, kv_group_size, kv_scales_dtype (describe_attention)."""
         ctx = describe_attention(sample_attn=sample_attn, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                                 dtype=dtype, device=device)
+                                 dtype=dtype, device=device, **kv_format)
         return self.build_for_context(ctx)
 
     def build_for_context(self, ctx: SelectionContext) -> KernelSet:
@@ -311,7 +335,7 @@ def default_registry() -> KernelRegistry:
 
 
 def build_kernel_set(*, sample_attn: Any, n_kv_heads: int, head_dim: int, dtype: Any = None,
-                     device: mx.Device | None = None) -> KernelSet:
-    """build_kernel_set on the packaged manifest's registry."""
+                     device: mx.Device | None = None, **kv_format) -> KernelSet:
+    """build_kernel_set on the packaged manifest's registry (kv_format: describe_attention's kv_*)."""
     return default_registry().build_kernel_set(sample_attn=sample_attn, n_kv_heads=n_kv_heads,
-                                               head_dim=head_dim, dtype=dtype, device=device)
+                                               head_dim=head_dim, dtype=dtype, device=device, **kv_format)

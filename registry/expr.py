@@ -38,6 +38,9 @@ CONTEXT_NAMES: dict[str, str] = {
     "qk_norm_error": "why `qk_norm` is None",
     "attention_sinks": "True when the attention adds learned sink logits (a `sinks` parameter, e.g. gpt-oss)",
     "alibi": "True when the attention adds ALiBi position biases (an `alibi`/`alibi_slopes` attribute)",
+    "kv_bits": "the KV cache's quantization: None (float rows), 4 or 8 bits (mlx-lm's QuantizedKVCache format)",
+    "kv_group_size": "the quantized cache's group size (32, 64 or 128), or None for float rows",
+    "kv_scales_dtype": "the quantized cache's scales/biases dtype name ('float16', 'bfloat16', 'float32'), or None",
 }
 ATTRIBUTES: dict[str, frozenset[str]] = {
     "rope": frozenset(f.name for f in fields(RopeConfig)) | {"has_periods"},

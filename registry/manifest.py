@@ -30,6 +30,7 @@ from .expr import ExprError, Requirement, compile_requirement
 SCHEMA_VERSION = 1
 TARGETS = ("metal", "cuda", "cpu")
 DTYPES = ("float16", "bfloat16", "float32")
+FIXED_DTYPES = DTYPES + ("int32", "uint32")   # signature.buffers[].dtype: uint32 for packed quantized pools
 BUFFER_ROLES = ("input", "output", "inplace")
 DTYPE_GROUPS = ("pool",)           # signature.buffers[].dtype_group
 SCALAR_TYPES = ("int32", "float32")
@@ -97,7 +98,7 @@ class BufferSpec:
     name: str
     role: str                      # input | output | inplace
     like: str | None = None        # outputs: the input giving shape and dtype
-    dtype: str | None = None       # fixed dtype (e.g. int32); None = the kernel's dtype
+    dtype: str | None = None       # fixed dtype (int32, uint32 or a float); None = the kernel's dtype
     dtype_group: str | None = None # 'pool': the entry key's pool dtype; None: its activation dtype
     strided: bool = False          # taken as the caller's array is; its strides reach the kernel
 
@@ -502,8 +503,8 @@ def _signature(c: _Checker, d: Any, parent: dict) -> SignatureSpec | None:
             role = None
         like = c.typed(b, "like", (str,), "a string", f"{fname}.like")
         dtype = c.typed(b, "dtype", (str,), "a string", f"{fname}.dtype")
-        if dtype is not None and dtype not in DTYPES + ("int32",):
-            c.err(b, "dtype", f"{fname}.dtype: {_short(dtype)} is not one of {', '.join(DTYPES + ('int32',))}")
+        if dtype is not None and dtype not in FIXED_DTYPES:
+            c.err(b, "dtype", f"{fname}.dtype: {_short(dtype)} is not one of {', '.join(FIXED_DTYPES)}")
         group = c.typed(b, "dtype_group", (str,), "a string", f"{fname}.dtype_group")
         if group is not None and group not in DTYPE_GROUPS:
             c.err(b, "dtype_group", f"{fname}.dtype_group: {_short(group)} is not one of {', '.join(DTYPE_GROUPS)}")

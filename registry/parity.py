@@ -146,12 +146,20 @@ def _qk_norm_rope_pool_fused() -> list[Case]:
     return cases
 
 
+def _normal(seed: int):
+    """(the generator, arr(shape, dtype name): a standard normal array of that dtype)."""
+    rng = np.random.default_rng(seed)
+    return rng, lambda shape, dt: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(MX_DTYPES[dt])
+
+
+def i32(x) -> mx.array:
+    return mx.array(np.asarray(x, np.int32))
+
+
 @parity("decode_attention")
 def _decode_attention() -> list[Case]:
     from .kernels.decode_attention import DecodeAttentionKernel as K
-    rng = np.random.default_rng(30)
-    arr = lambda shape, dt: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(MX_DTYPES[dt])
-    i32 = lambda x: mx.array(np.asarray(x, np.int32))
+    rng, arr = _normal(30)
     cases = []
     for i, dt in enumerate(MX_DTYPES):        # head-major caches: left padding, ring order (row 1), GQA
         q = arr((2, 8, 1, 64), dt)
@@ -162,6 +170,83 @@ def _decode_attention() -> list[Case]:
     kp, vp = arr((64, 4, 96), "bfloat16"), arr((64, 4, 96), "bfloat16")
     table = i32(rng.permutation(64)[:3 * 20].reshape(3, 20))
     cases.append(Case("bfloat16 strided q, slot-major pool through a table, L = 4, window 7, soft-capping", K, None,
+                      (q, kp, vp, i32([20, 13, 4]), None, table, 0.1, 7, 30.0), TOL["bfloat16"],
+                      TOL["bfloat16"]))
+    return cases
+
+
+def _quant_pools(lead: tuple, H: int, D: int, fmt, dtype: str, seed: int) -> tuple:
+    """Random quantized pools of both sides (words, scales, biases each): the slots a store leaves
+    must keep them."""
+    rng = np.random.default_rng(seed)
+    shape = lambda w: (*lead[:-1], H, lead[-1], w) if len(lead) == 2 else (*lead, H, w)
+    out = []
+    for _ in "kv":
+        W, G = fmt.widths(D)[:2]
+        out += [mx.array(rng.integers(0, 2**32, shape(W), dtype=np.uint64).astype(np.uint32)),
+                mx.array(rng.standard_normal(shape(G)).astype(np.float32)).astype(MX_DTYPES[dtype]),
+                mx.array(rng.standard_normal(shape(G)).astype(np.float32)).astype(MX_DTYPES[dtype])]
+    return tuple(out)
+
+
+@parity("kv_quant_pool_store")
+def _kv_quant_pool_store() -> list[Case]:
+    from .kernels._base import PoolFormat
+    from .kernels.kv_quant_pool_store import KvQuantPoolStoreKernel as K
+    cases = []                                     # mx.quantize on this device: bit for bit
+    for i, (dt, fmt) in enumerate(zip(MX_DTYPES, (PoolFormat(8, 64), PoolFormat(4, 32), PoolFormat(4, 128)))):
+        _, k, v, _, sl, _, _ = make_case(5, 2, 2, 128, 8, dt, [4, -1, 0, 7, 2], seed=40 + i)
+        lead = (8,) if i != 1 else (2, 4)
+        cases.append(Case(f"{dt}, {fmt}, {'head' if i == 1 else 'slot'}-major pools", K, fmt,
+                          (k, v, sl, *_quant_pools(lead, 2, 128, fmt, dt, seed=i)), 0.0, 0.0))
+    _, k, v, _, sl, _, _ = make_case(6, 2, 2, 64, 3, "bfloat16", [0, 5, 2, -1, 4, 1], seed=43)
+    fmt = PoolFormat(8, 32)
+    cases.append(Case("bfloat16 [2, H, 3, D] strided views, head-major pools, 8-bit, group size 32", K, fmt,
+                      (strided(k, 2), strided(v, 2), sl, *_quant_pools((2, 3), 2, 64, fmt, "bfloat16", seed=4)),
+                      0.0, 0.0))
+    return cases
+
+
+@parity("rope_quant_pool_fused")
+def _rope_quant_pool_fused() -> list[Case]:
+    """At position 0 the rotation is the identity in both paths (cos 1, sin 0): q_out and k_out are the
+    inputs exactly, so the pools, mx.quantize of them, are bit for bit the reference's. (At other
+    positions the kernel's and MLX's cos/sin may differ in a last bit, which can move a quantized value
+    by one step: tests/test_quant_pool_store.py checks those pools against mx.quantize of the kernel's
+    own k_out instead.)"""
+    from .kernels._base import PoolFormat
+    from .kernels.rope_quant_pool_fused import RopeQuantKernel as K
+    cases = []
+    for i, (dt, fmt) in enumerate(zip(MX_DTYPES, (PoolFormat(4, 64), PoolFormat(8, 128), PoolFormat(8, 32)))):
+        q, k, v, _, sl, _, _ = make_case(6, 8, 2, 128, 8, dt, [5, -1, 0, 7, 3, 6], seed=50 + i)
+        pos = mx.zeros((6,), dtype=mx.int32)
+        lead = (8,) if i != 1 else (2, 4)
+        args = (q, k, v, pos, sl, *_quant_pools(lead, 2, 128, fmt, dt, seed=10 + i))
+        if i == 2:
+            args = (strided(q, 2), strided(k, 2), strided(v, 2), *args[3:])
+        cases.append(Case(f"{dt}, {fmt}, {'head' if i == 1 else 'slot'}-major pools"
+                          f"{', strided views' if i == 2 else ''}, position 0", K,
+                          (rope_variant(VARIANTS[i], 128), None, fmt), args, 0.0, 0.0))
+    return cases
+
+
+@parity("decode_attention_quantized")
+def _decode_attention_quantized() -> list[Case]:
+    from .kernels._base import PoolFormat
+    from .kernels.decode_attention_quantized import DecodeAttentionQuantizedKernel as K
+    rng, arr = _normal(60)
+    quant = lambda x, fmt: tuple(mx.quantize(x, group_size=fmt.group_size, bits=fmt.bits))
+    cases = []
+    for dt, fmt in zip(MX_DTYPES, (PoolFormat(8, 64), PoolFormat(4, 32), PoolFormat(4, 128))):
+        q = arr((2, 8, 1, 128), dt)
+        kp, vp = quant(arr((2, 2, 40, 128), dt), fmt), quant(arr((2, 2, 40, 128), dt), fmt)
+        cases.append(Case(f"{dt}, {fmt}, head-major cache, padded and ring rows", K, fmt,
+                          (q, kp, vp, i32([40, 25]), i32([40, 9]), None, 0.088, 0, 0.0), TOL[dt], TOL[dt]))
+    fmt = PoolFormat(8, 32)
+    q = arr((3, 4, 8, 64), "bfloat16").transpose(0, 2, 1, 3)
+    kp, vp = quant(arr((64, 2, 64), "bfloat16"), fmt), quant(arr((64, 2, 64), "bfloat16"), fmt)
+    table = i32(rng.permutation(64)[:3 * 20].reshape(3, 20))
+    cases.append(Case("bfloat16 strided q, slot-major pool through a table, L = 4, window 7, soft-capping", K, fmt,
                       (q, kp, vp, i32([20, 13, 4]), None, table, 0.1, 7, 30.0), TOL["bfloat16"],
                       TOL["bfloat16"]))
     return cases

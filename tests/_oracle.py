@@ -65,3 +65,39 @@ def rope_pool_numpy(q, k, v, positions, slots, k_pool, v_pool, rope: RopeConfig)
             k_rows[slot] = k_rot[t]
             v_rows[slot] = v[t]
     return q_rot, k_rot, from_slots(k_rows, shape), from_slots(v_rows, shape)
+
+
+def _round(x: np.ndarray, ties_away: bool) -> np.ndarray:
+    """Round to nearest: ties to even (np.rint, the CPU's std::rint), or away from zero (CUDA's and
+    Metal's round)."""
+    if not ties_away:
+        return np.rint(x)
+    return np.where(np.abs(x - np.trunc(x)) == 0.5, np.trunc(x) + np.sign(x), np.rint(x))
+
+
+def quantize_numpy(x: np.ndarray, group_size: int, bits: int, gpu: bool = False):
+    """mx.quantize's affine mode written from docs/kernel-abi.md ("The quantized format") in float32
+    NumPy: (uint32 words [..., D * bits / 32], fp32 scales and biases [..., D / group_size], before
+    their rounding to the scales' dtype). gpu=True: MLX's CUDA/Metal rules (ties away from zero, the
+    maximum taken from 0)."""
+    x = np.asarray(x, np.float32)
+    g = x.reshape(-1, group_size)
+    n_bins = np.float32((1 << bits) - 1)
+    w_max, w_min = g.max(1), g.min(1)
+    if gpu:
+        w_max = np.maximum(w_max, np.float32(0))
+    side = np.abs(w_min) > np.abs(w_max)
+    scale = np.maximum((w_max - w_min) / n_bins, np.float32(1e-7)).astype(np.float32)
+    scale = np.where(side, scale, -scale).astype(np.float32)
+    edge = np.where(side, w_min, w_max).astype(np.float32)
+    q0 = _round((edge / scale).astype(np.float32), gpu)
+    nonzero = q0 != 0
+    scale = np.where(nonzero, edge / np.where(nonzero, q0, 1).astype(np.float32), scale).astype(np.float32)
+    bias = np.where(nonzero, edge, 0).astype(np.float32)
+    q = _round(((g - bias[:, None]) / scale[:, None]).astype(np.float32), gpu)
+    q = np.clip(q, 0, n_bins).astype(np.uint64).reshape(-1, 32 // bits)
+    words = np.zeros(q.shape[0], np.uint64)
+    for k in range(32 // bits):
+        words |= q[:, k] << np.uint64(k * bits)
+    lead = x.shape[:-1]
+    return (words.astype(np.uint32).reshape(*lead, -1), scale.reshape(*lead, -1), bias.reshape(*lead, -1))

@@ -64,6 +64,29 @@ def test_real_manifest_loads():
     assert all(p.is_file() for t in k.targets for p in k.source_paths(t))
 
 
+def test_every_kernel_has_a_gpu_sanitizer_case():
+    """tests/gpu/test_gpu_sanitizer.py runs on the GPU host only; its coverage is checked everywhere."""
+    from tests.gpu.test_gpu_sanitizer import CASES
+
+    missing = sorted({k.name for k in load_manifest().kernels} - set(CASES))
+    assert not missing, f"add an out-of-range case for {missing} to CASES in tests/gpu/test_gpu_sanitizer.py"
+
+
+def test_uint32_buffers_and_the_cache_format_in_requirements(tmp_path):
+    """A quantized pool's packed words are a fixed uint32 buffer; kv_bits, kv_group_size and
+    kv_scales_dtype are context names."""
+    data = copy.deepcopy(GOOD)
+    data["kernels"][0]["signature"]["buffers"].append({"name": "words", "role": "inplace", "dtype": "uint32"})
+    data["kernels"][0]["requires"] = ["kv_bits in (4, 8) and head_dim % kv_group_size == 0",
+                                      {"expr": "kv_scales_dtype == dtype", "reason": "scales {kv_scales_dtype}"}]
+    k = load_manifest(write(tmp_path, data)).kernels[0]
+    assert k.signature.buffers[-1].dtype == "uint32"
+    ctx = dict(kv_bits=8, kv_group_size=64, head_dim=128, kv_scales_dtype="bfloat16", dtype="bfloat16")
+    assert all(r.holds(ctx) for r in k.requires)
+    assert not k.requires[0].holds(dict(ctx, kv_bits=None))
+    assert k.requires[1].explain(dict(ctx, kv_scales_dtype="float32")) == "scales float32"
+
+
 def test_good_toy_manifest(tmp_path):
     m = load_manifest(write(tmp_path, GOOD))
     k = m.kernels[0]
@@ -113,6 +136,9 @@ def test_good_toy_manifest(tmp_path):
      "duplicate buffer name 'x'"),
     (lambda d: d["kernels"][0]["signature"]["buffers"].append({"name": "w", "role": "scratch"}),
      "signature.buffers[3].role: 'scratch' is not one of input, output, inplace"),
+    (lambda d: d["kernels"][0]["signature"]["buffers"].append({"name": "w", "role": "inplace", "dtype": "uint8"}),
+     "signature.buffers[3].dtype: 'uint8' is not one of float16, bfloat16, float32, int32, uint32"),
+    (lambda d: d["kernels"][0].update(requires=["kv_bits in (4, 8) and kv_bitz == 4"]), "unknown name 'kv_bitz'"),
     (lambda d: d["kernels"][0]["signature"]["scalars"].append({"name": "m", "type": "int64"}),
      "signature.scalars[2].type: 'int64' is not one of int32, float32"),
     (lambda d: d["kernels"][0].update(signature={"buffers": [{"name": "x", "role": "input"}]}),

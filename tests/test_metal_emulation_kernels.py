@@ -1,7 +1,9 @@
-"""The Metal sources of kv_pool_store and qk_norm_rope_pool_fused on the CPU through tests/metal_emu/
-(sanitized runner, exact-size buffers, shuffled thread order), driven through their real wrappers on
-an emulated 'metal' backend and compared with the reference path; out-of-range slots under the
-sanitizers, and a mutant per kernel that proves the bounds tests can fail. Strided activations for
+"""The Metal sources of kv_pool_store, qk_norm_rope_pool_fused and the quantized stores
+(kv_quant_pool_store, rope_quant_pool_fused) on the CPU through tests/metal_emu/ (sanitized runner,
+exact-size buffers, shuffled thread order), driven through their real wrappers on an emulated 'metal'
+backend and compared with the reference path (the quantized ones with the NumPy oracle of MLX's Metal
+quantize, bit for bit); out-of-range slots under the sanitizers, and a mutant per kernel that proves
+the bounds tests can fail. Strided activations for
 all three kernels: [B, H, L, D] views (transposed, sliced, inner-strided, reversed) bound as they lie,
 against the same kernel on contiguous token-major rows (bit for bit) and the reference path.
 (rope_pool_fused's other emulation tests: tests/test_metal_emulation.py.)"""
@@ -293,3 +295,145 @@ def test_decode_attention_parity(da_lib, dtype):
     got = kernel(q, kp, vp, kv_len, None, table, scale=0.2, window=4, softcap=20.0, check=False)
     want = oracle(q, kp, vp, kv_len, kv_len, np.array(table), 0.2, 4, 20.0)
     np.testing.assert_allclose(to_np(got), want, atol=DA_TOL[dt], rtol=DA_TOL[dt])
+
+
+# ----------------------------------------------------------------------------- quantized stores
+
+QUANT_SOURCES = {name: PROJECT_ROOT / "metal_src" / f"{name}.metal"
+                 for name in ("kv_quant_pool_store", "rope_quant_pool_fused")}
+
+
+@pytest.fixture(scope="module")
+def quant_libs(emu_cache):
+    return {name: compile_kernel(MANIFEST.kernel(name), emu_cache) for name in QUANT_SOURCES}
+
+
+def quant_kernel(libs, name, rope=None, norm=None, fmt=None, seed=0, lib=None):
+    from registry.kernels.kv_quant_pool_store import KvQuantPoolStoreKernel
+    from registry.kernels.rope_quant_pool_fused import QkNormRopeQuantKernel, RopeQuantKernel
+
+    if name == "kv_quant_pool_store":
+        return emulated(KvQuantPoolStoreKernel, lib or libs[name], name, fmt, seed=seed)
+    cls = RopeQuantKernel if norm is None else QkNormRopeQuantKernel
+    return emulated(cls, lib or libs[name], name, (rope, norm, fmt), seed=seed)
+
+
+@pytest.mark.parametrize("bits, gs, dtype, layout, L", [
+    (4, 32, "float16", "slot-major", 0), (8, 64, "bfloat16", "head-major", 0), (4, 128, "float32", "head-major", 0),
+    (8, 32, "float32", "slot-major", 0), (8, 128, "bfloat16", "head-major", 1), (4, 64, "float16", "head-major", 3),
+])
+def test_quant_store_parity(quant_libs, bits, gs, dtype, layout, L):
+    """Bit for bit the oracle of MLX's Metal quantize (ties away from zero, the maximum from 0), on the
+    rows with ties and an all-negative group; L > 0: the attention's [B, H, L, D] views."""
+    from registry.kernels._base import PoolFormat
+    from tests.test_quant_pool_store import LAYOUTS as QL, assert_pools, expected, quant_pools, rows, token_rows
+
+    rng = np.random.default_rng(bits + gs)
+    fmt, H, D = PoolFormat(bits, gs), 2, 128
+    if L:
+        kv = rows(rng, (2 * L, 2 * H, D), dtype, bits=bits).reshape(2, L, 2 * H, D).transpose(0, 2, 1, 3)
+        k, v = kv[:, :H], kv[:, H:]
+        slots = mx.array([b * 4 + l for b in range(2) for l in range(L)], dtype=mx.int32)
+    else:
+        k, v = rows(rng, (5, H, D), dtype, bits=bits), rows(rng, (5, H, D), dtype, 20.0, bits=bits)
+        slots = mx.array([3, 1, -1, 7, 5], dtype=mx.int32)
+    pools = quant_pools(rng, QL[layout](8), H, D, fmt, dtype)
+    got = quant_kernel(quant_libs, "kv_quant_pool_store", fmt=fmt, seed=bits)(k, v, slots, *pools)
+    assert_pools(got, expected(pools, slots, token_rows(k), token_rows(v), fmt, gpu=True))
+
+
+@pytest.mark.parametrize("dtype, variant, norm, fmt, layout", [
+    ("float32", "full-base", None, (8, 64), "slot-major"),
+    ("bfloat16", "partial-traditional", (1e-5, 1.0), (4, 32), "head-major"),
+    ("float16", "odd-pairs", (1e-6, 0.0), (8, 128), "head-major"),
+])
+def test_rope_quant_parity(quant_libs, dtype, variant, norm, fmt, layout):
+    """q_out/k_out within the float kernels' tolerance of the reference; the pools the oracle's (Metal
+    rules) quantization of the k_out returned and of v, bit for bit. 6 tokens x 12 rows = 72 rows: the
+    last 8-row threadgroup is partial."""
+    from registry.kernels._base import PoolFormat
+    from registry.norm import NormConfig
+    from tests.rope_cases import rope_variant
+    from tests.test_quant_pool_store import LAYOUTS as QL, assert_pools, expected, quant_pools, rows
+
+    rng = np.random.default_rng(len(variant))
+    fmt, T, Hq, Hkv, D = PoolFormat(*fmt), 6, 8, 2, 128
+    rope, norm = rope_variant(variant, D), None if norm is None else NormConfig(*norm)
+    q, k = rows(rng, (T, Hq, D), dtype, 3.0), rows(rng, (T, Hkv, D), dtype, 0.5)
+    v = rows(rng, (T, Hkv, D), dtype, bits=fmt.bits)
+    pos = mx.array(rng.integers(0, 5000, T).astype(np.int32))
+    slots = mx.array([5, 6, -1, 7, 2, INT32_MAX], dtype=mx.int32)
+    w = () if norm is None else (rows(rng, (1, 1, D), dtype, 0.5).reshape(D), rows(rng, (1, 1, D), dtype).reshape(D))
+    pools = quant_pools(rng, QL[layout](8), Hkv, D, fmt, dtype)
+    kernel = quant_kernel(quant_libs, "rope_quant_pool_fused", rope, norm, fmt, seed=T)
+    got = kernel(q, k, v, pos, slots, *pools, *w, check_slots=False)
+    ref = kernel.reference(q, k, v, pos, slots, *pools, *w)
+    tol = TOL[dtype] * (1 if norm is None else 2)
+    for g, r in zip(got[:2], ref[:2]):
+        np.testing.assert_allclose(to_np(g), to_np(r), atol=tol, rtol=tol)
+    assert_pools(got[2:], expected(pools, slots, got[1], v, fmt, gpu=True))
+
+
+@pytest.mark.parametrize("name, old, new", [
+    ("kv_quant_pool_store", "slot >= 0 && slot < pool_size", "slot >= 0"),
+    ("rope_quant_pool_fused", "slot >= 0 && slot < pool_size", "slot >= 0"),
+])
+def test_quant_sanitizer_catches_a_missing_bound(emu_cache, quant_libs, name, old, new):
+    """Slots past the pool, unchecked: the kernels write nothing there (the oracle says which rows
+    change); without the bound ASan stops the write into the pool."""
+    from registry.kernels._base import PoolFormat
+    from registry.rope import RopeConfig
+    from tests.test_quant_pool_store import assert_pools, expected, quant_pools, rows
+
+    rng = np.random.default_rng(0)
+    fmt = PoolFormat(4, 32)
+    k, v, q = rows(rng, (4, 2, 64), "float32"), rows(rng, (4, 2, 64), "float32"), rows(rng, (4, 2, 64), "float32")
+    slots = mx.array([4, INT32_MAX, 0, INT32_MIN], dtype=mx.int32)
+    pools = quant_pools(rng, (4,), 2, 64, fmt, "float32")
+    rope = RopeConfig(64)
+    call = (lambda kern: kern(k, v, slots, *pools, check_slots=False)) if name == "kv_quant_pool_store" else (
+        lambda kern: kern(q, k, v, mx.zeros((4,), mx.int32), slots, *pools, check_slots=False)[2:])
+    got = call(quant_kernel(quant_libs, name, rope, None, fmt))
+    assert_pools(got, expected(pools, slots, k, v, fmt, gpu=True))    # position 0: k_out is k, exactly
+    source = QUANT_SOURCES[name]
+    lib = compile_source(mutated(emu_cache, old, new, source=source), emu_cache, include_dirs=[source.parent])
+    with pytest.raises(SanitizerError, match=r"WRITE of 4 bytes at byte -?\d+ of buffer\(\d+\) [kv]_pool"):
+        call(quant_kernel(quant_libs, name, rope, None, fmt, lib=lib))
+
+
+
+# ----------------------------------------------------------------------------- quantized decode attention
+
+@pytest.fixture(scope="module")
+def daq_lib(emu_cache):
+    return compile_kernel(MANIFEST.kernel("decode_attention_quantized"), emu_cache)
+
+
+@pytest.mark.parametrize("layout, bits, gs, L, window, softcap, dtype", [
+    ("head-major", 8, 64, 1, 0, 0.0, "float32"),
+    ("head-major", 4, 32, 3, 5, 0.0, "bfloat16"),     # ring order, causal among three queries, a window
+    ("slot-major", 4, 128, 2, 0, 20.0, "float16"),    # a table with padding, soft-capping
+])
+def test_quantized_decode_attention_parity(daq_lib, layout, bits, gs, L, window, softcap, dtype):
+    """The Metal kernel against decode_attention's oracle on the pools' fp32 values, every buffer at its
+    exact size (ASan): padding slots of the table and rows past kv_len are never read."""
+    from registry.kernels._base import PoolFormat
+    from registry.kernels.decode_attention_quantized import DecodeAttentionQuantizedKernel
+    from tests.test_decode_attention import oracle
+    from tests.test_decode_attention_quantized import TOL, arr, check, fp32, quantized
+
+    rng = np.random.default_rng(bits + L)
+    fmt, D, dt = PoolFormat(bits, gs), 128, MX_DTYPES[dtype]
+    q = arr(rng, (2, 4, L, D), dt)
+    if layout == "head-major":
+        kp, vp = quantized(arr(rng, (2, 2, 10, D), dt), fmt), quantized(arr(rng, (2, 2, 10, D), dt), fmt)
+        kv_len, kv_end, table = mx.array([10, 6], dtype=mx.int32), mx.array([4, 10], dtype=mx.int32), None
+    else:
+        kp, vp = quantized(arr(rng, (9, 2, D), dt), fmt), quantized(arr(rng, (9, 2, D), dt), fmt)
+        table = mx.array([[3, 0, 8, 5], [7, -1, 9, INT32_MAX]], dtype=mx.int32)
+        kv_len = kv_end = mx.array([4, 4], dtype=mx.int32)
+    kernel = emulated(DecodeAttentionQuantizedKernel, daq_lib, "decode_attention_quantized", fmt, seed=L)
+    got = kernel(q, kp, vp, kv_len, kv_end, table, scale=0.09, window=window, softcap=softcap, check=False)
+    want = oracle(q, fp32(kp, fmt), fp32(vp, fmt), kv_len, kv_end, None if table is None else np.array(table), 0.09,
+                  window, softcap)
+    check(got, want, dt, TOL)

@@ -756,8 +756,9 @@ def test_batch_rotating_cache_past_its_window_is_never_copied_behind_a_guard(nat
 
 
 def test_quantized_kv_after_fused_prefill_and_slot_engine_still_work(native_artifacts):
-    """generate_step(kv_bits=...) turns the fused KVCache into mlx-lm's QuantizedKVCache (its own
-    to_quantized) and continues as stock mlx-lm; the slot engine runs on a model with switches."""
+    """generate_step(kv_bits=...) turns the fused KVCache into the drop-in QuantizedKVCache (mlx-lm's
+    class name and state: the to_quantized override, mlx_lm_quant_cache.py) and gives stock mlx-lm's
+    tokens; the slot engine runs on a model with switches."""
     from registry.integrations.engine import mlx_lm_greedy
     from registry.integrations.slot_engine import SlotEngine
 
@@ -771,7 +772,9 @@ def test_quantized_kv_after_fused_prefill_and_slot_engine_still_work(native_arti
         pytest.skip(f"stock mlx-lm's quantized KV cache does not run on {mx.default_device()}: {e}")
     cache = make_prompt_cache(model)
     assert run(model, cache, PROMPT, **kw)[0] == want[0]
-    assert all(type(c) is stock.QuantizedKVCache for c in cache)
+    from registry.integrations.mlx_lm_quant_cache import QuantizedKVCache
+
+    assert all(type(c) is QuantizedKVCache and isinstance(c, stock.QuantizedKVCache) for c in cache)
     out = SlotEngine(model).generate(PROMPTS[:2], 4)
     assert out["tokens"] == [mlx_lm_greedy(model, p, 4) for p in PROMPTS[:2]]
 

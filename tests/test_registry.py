@@ -146,3 +146,21 @@ def test_rope_kernel_rejections_explained(monkeypatch, caplog):
     monkeypatch.setenv("MLX_AOT_ROPE_POOL_FUSED", "off")
     off = registry.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=64)
     assert off.rejections["rope_pool_fused"] == "disabled by MLX_AOT_ROPE_POOL_FUSED=0"
+
+
+def test_the_cache_format_reaches_the_context_and_float_kernels_step_aside():
+    """kv_bits/kv_group_size/kv_scales_dtype reach the context (explain() names them); every kernel
+    that writes float rows requires kv_bits is None, so none is selected for a quantized cache."""
+    reg = KernelRegistry.from_yaml()
+    float_set = reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32)
+    assert float_set.context.kv_bits is None and float_set.rope is not None
+    q = reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32, kv_bits=8, kv_group_size=32)
+    assert (q.context.kv_bits, q.context.kv_group_size, q.context.kv_scales_dtype) == (8, 32, "float32")
+    for name in ("rope_pool_fused", "kv_pool_store", "qk_norm_rope_pool_fused"):
+        assert name not in q.kernels
+        assert q.rejections[name].startswith("the KV cache is quantized (8-bit)"), q.rejections[name]
+    assert "cache=8-bit/group 32 (scales float32)" in q.explain()
+    assert float_set.context.quantized(4, 64, mx.bfloat16).kv_scales_dtype == "bfloat16"
+    assert q.context.quantized(None).kv_group_size is None
+    with pytest.raises(ValueError, match="kv_bits must be a positive int or None, got '8'"):
+        reg.build_kernel_set(sample_attn=Attn(), n_kv_heads=2, head_dim=32, kv_bits="8")

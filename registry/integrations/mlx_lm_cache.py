@@ -33,8 +33,10 @@ What each cache type does in a fused layer:
     kernel call that rotates q and k with the write skipped (slot -1), then mlx-lm's own
     concatenation: mlx-lm rebuilds the window in temporal order by concatenating there (the buffer
     is max_size + L - 1 long afterwards), so there is no slot of an existing buffer to write into.
-  - Every other cache class (QuantizedKVCache, ChunkedKVCache, ConcatenateKVCache, ArraysCache)
-    stays mlx-lm's own, with `.kernel = None` and `.reason`.
+  - QuantizedKVCache: the quantized drop-in class of mlx_lm_quant_cache.py (make_prompt_cache(kv_bits=),
+    KVCache.to_quantized, a loaded cache bound again).
+  - Every other cache class (ChunkedKVCache, ConcatenateKVCache, ArraysCache) stays mlx-lm's own,
+    with `.kernel = None` and `.reason`.
 
 Saving: the classes carry mlx-lm's names and state, so `save_prompt_cache` writes a file stock
 mlx-lm loads; `load_prompt_cache(path, model)` here loads it and re-binds the fused layers.
@@ -163,6 +165,7 @@ class Fusion:
                                # the direct form's norms run in the kernel too
     attention: Any = None      # decode_attention where selected: the direct form's masked decode attention
     attention_reason: str = "" # why not, when it is None
+    owner: Any = field(default=None, repr=False)   # the FusedModel: to_quantized finds the layer's quantized form
     backend: str = field(init=False)   # the kernel's, for the index arrays (read per layer per step)
 
     def __post_init__(self):
@@ -185,8 +188,10 @@ class Fusion:
             how = ["q/k norms in the kernel"] if self.norm_kernel is not None else []
             how.append(f"q/k/v as three projections: {self.pack_reason}" if self.pack_reason
                        else "q/k/v in one projection")
-            how.append(f"batch-cache decode attention: {self.attention.NAME} ({self.attention.implementation})"
-                       if self.attention is not None else f"attention: MLX's sdpa ({self.attention_reason})")
+            if self.attention is not None:
+                how.append(f"batch-cache decode attention: {self.attention.NAME} ({self.attention.implementation})")
+            elif self.attention_reason:       # "" for the quantized caches: their attention is their own
+                how.append(f"attention: MLX's sdpa ({self.attention_reason})")
             return f"direct forward ({'; '.join(how)})"
         return f"rope capture{f' ({self.direct_reason})' if self.direct_reason else ''}"
 
@@ -211,6 +216,13 @@ def _decode_index(pos: int, row: int, B: int, S: int, backend: str) -> tuple[mx.
         return _int_index(row, 1, B, S, pos, backend)
     slots = device_arange(row, 1, 1, backend)
     return (slots if pos == row else device_arange(pos, 1, 1, backend)), slots
+
+
+def _rows_index(prev: int, shape: tuple, S: int, backend: str) -> tuple[mx.array, mx.array]:
+    """(positions, slots) of the L tokens of k [B, H, L, D] appended at row prev of every batch row of
+    a buffer of S rows (KVCache, QuantizedKVCache): positions prev.., slots b * S + prev + l."""
+    B, L = shape[0], shape[2]
+    return _decode_index(prev, prev, B, S, backend) if L == 1 else _int_index(prev, L, B, S, prev, backend)
 
 
 _DUMMY_POOLS: dict[tuple, tuple[mx.array, mx.array]] = {}
@@ -272,7 +284,7 @@ class _Fused:
         memo[id(self)] = new
         for k, v in self.__dict__.items():
             if k not in _LAUNCH_SLOTS:          # the copy starts its own streams of launches
-                new.__dict__[k] = v if k == "_fusion" else copy.deepcopy(v, memo)
+                new.__dict__[k] = v if k in ("_fusion", "_quant") else copy.deepcopy(v, memo)
         self._handed_out()                      # MLX's deepcopy of an array is an alias: both share the buffers
         return new
 
@@ -325,7 +337,7 @@ class _Fused:
         direct forward calls direct_update instead)."""
         calls, keys = self._captured(keys, values)
         if calls is None:
-            return super().update_and_fetch(keys, values)
+            return self._plain_update(keys, values)
         q_call, k_call = calls
         q, k, keys, values = self.fused_update(q_call.x, k_call.x, values)
         # The kernel's q and k have the shapes of its inputs, which the placeholders were made like.
@@ -356,6 +368,17 @@ class _Fused:
     def _stock_update(self, keys, values):
         """mlx-lm's own update_and_fetch of this cache's class."""
         return super().update_and_fetch(keys, values)
+
+    # The write of keys the forward already rotated (no capture, or a capture that fell back):
+    # mlx-lm's own, unless the cache class has a kernel for it (the quantized caches' store).
+    _plain_update = _stock_update
+
+    def _pools(self) -> tuple:
+        """The arrays the kernels write in place, in their argument order."""
+        return self.keys, self.values
+
+    def _set_pools(self, pools) -> None:
+        self.keys, self.values = pools
 
     def make_mask(self, *args, **kwargs):
         """mlx-lm's mask; an array mask is remembered with the window it was made for, so that
@@ -445,8 +468,8 @@ class _Fused:
         if last is None or last[0] is not f:       # the first write, or the first since a snapshot
             self._unshare()
             last = self.__dict__[slot] = (f, f.kernel_for(weights).last_bound())
-        q_rot, k_rot, self.keys, self.values = last[1](q, k, values, positions, slots, self.keys, self.values,
-                                                       *(weights or ()))
+        q_rot, k_rot, *pools = last[1](q, k, values, positions, slots, *self._pools(), *(weights or ()))
+        self._set_pools(pools)
         f.calls["fused"] += 1
         return q_rot, k_rot
 
@@ -524,13 +547,11 @@ class KVCache(_Fused, _stock.KVCache):
     def fused_update(self, q, k, v, weights=None):
         """(rotated q, rotated k, keys, values): one kernel call writing rows [offset, offset + L)
         (weights: the q/k norm weights, for the norm kernel)."""
-        prev, (B, _, L, _) = self.__dict__["_fused_off"], k.shape
+        prev = self.__dict__["_fused_off"]
         self._room(prev, k, v)
         S = self.keys.shape[2]
-        index = _decode_index(prev, prev, B, S, self._fusion.backend) if L == 1 else \
-            _int_index(prev, L, B, S, prev, self._fusion.backend)
-        q, k = self._write(q, k, v, *index, weights)
-        n = self.__dict__["_fused_off"] = prev + L
+        q, k = self._write(q, k, v, *_rows_index(prev, k.shape, S, self._fusion.backend), weights)
+        n = self.__dict__["_fused_off"] = prev + k.shape[2]
         if n < S:
             return q, k, self.keys[:, :, :n], self.values[:, :, :n]     # [..., :n, :] parses slower (4-D buffers)
         return q, k, self.keys, self.values
@@ -541,6 +562,17 @@ class KVCache(_Fused, _stock.KVCache):
         B = self.keys.shape[0]
         ends = device_arange(n, B, 0, self._fusion.backend) if B > 1 else device_arange(n, 1, 1, self._fusion.backend)
         return ends, ends, int(window or 0)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """mlx-lm's to_quantized (generate_step's kv_bits: its buffers through mx.quantize), as the
+        drop-in QuantizedKVCache of this layer (mlx_lm_quant_cache.py) where the cache is bound."""
+        quantized = super().to_quantized(group_size=group_size, bits=bits)
+        f = self._fusion
+        if f is None or f.owner is None:
+            return quantized
+        from . import mlx_lm_quant_cache as quant
+
+        return quant.adopt(quantized, quant.quant_layers(f.owner, bits, group_size).get(f.layer))
 
     @classmethod
     def merge(cls, caches):
@@ -724,7 +756,7 @@ def _compact(v: mx.array) -> mx.array:
     return mx.concatenate([v[..., :half, :], v[..., half:, :]], axis=2)
 
 
-_LAUNCH_SLOTS = ("_launch", "_launch_norm")
+_LAUNCH_SLOTS = ("_launch", "_launch_norm", "_launch_store")
 
 
 def _alias(x):
@@ -766,9 +798,10 @@ def _owner_counts():
 _FUSED = {c.__name__: c for c in (KVCache, RotatingKVCache, BatchKVCache, BatchRotatingKVCache)}
 
 
-def _adopt(stock, fusion: Fusion):
-    """The fused counterpart of an mlx-lm cache object of one of the four classes, sharing its arrays."""
-    cls = _FUSED[type(stock).__name__]
+def _adopt(stock, fusion: Fusion | None, cls: type | None = None):
+    """The fused counterpart of an mlx-lm cache object of one of the four classes (or `cls`), sharing
+    its arrays."""
+    cls = cls or _FUSED[type(stock).__name__]
     new = cls.__new__(cls)
     for k, v in stock.__dict__.items():
         if k == "offset":
@@ -805,6 +838,7 @@ class FusedModel:
     reasons: dict[int, str]
     signature: tuple = ()      # the attention modules' children: model.shard() replaces them
     direct: bool = False       # direct attention was asked for (each Fusion says whether its layer got it)
+    quant: dict = field(default_factory=dict)   # (bits, group_size) -> {layer: mlx_lm_quant_cache.QuantLayer}
 
     def explain(self) -> str:
         from .mlx_lm import ranges
@@ -817,6 +851,10 @@ class FusedModel:
         lines = [f"layers {ranges(sorted(ls))}: {what}" for what, ls in groups.items()]
         if self.kernels.non_attention_layers:
             lines.append(f"layers {ranges(self.kernels.non_attention_layers)}: no KV attention (mlx-lm's own cache)")
+        if self.quant:
+            from . import mlx_lm_quant_cache
+
+            lines += mlx_lm_quant_cache.explain(self)
         return "\n".join(lines)
 
 
@@ -887,6 +925,8 @@ def fused_model(model, *, kernels: ModelKernels | None = None, direct: bool | No
                             attention_reason="" if attention is not None else
                             ks.rejections.get("decode_attention", "decode_attention is not declared"))
     state = FusedModel(kernels, fusions, reasons, _signature(attn_layers))   # after the switches went in
+    for f in fusions.values():
+        f.owner = state
     _set_direct(state, attn_layers, own, direct)
     _pack(state, attn_layers)
     object.__setattr__(model, _STATE_ATTR, state)     # a plain attribute: not part of the module tree
@@ -969,6 +1009,14 @@ def _bind_entry(entry, fm: FusedModel, i: int):
         entry.kernel, entry.reason = None, f"no KV attention ({type(entry).__name__}: mlx-lm's own cache)"
         return entry
     c = cache_at(entry, path)
+    if type(c).__name__ == "QuantizedKVCache" and i in fm.kernels.by_layer:   # mlx-lm's, loaded or converted
+        from . import mlx_lm_quant_cache as quant
+
+        layer = quant.quant_layers(fm, c.bits, c.group_size).get(i)
+        new = c._bind(layer) if isinstance(c, quant.QuantizedKVCache) else quant.adopt(c, layer)
+        if path:
+            entry.kernel, entry.reason = new.kernel, new.reason
+        return _replace(entry, path, new)
     fusion = fm.fusions.get(i)
     why = fm.reasons.get(i, "")
     if fusion is not None and type(c).__name__ not in _FUSED:
@@ -994,21 +1042,31 @@ def _replace(entry, path, new):
 
 
 def make_prompt_cache(model, max_kv_size: int | None = None, *, kernels: ModelKernels | None = None,
-                      direct: bool | None = None) -> list:
+                      direct: bool | None = None, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
     """mlx-lm's make_prompt_cache(model, max_kv_size) with the KV caches of the fused layers replaced
     by the fused classes of this module; pass it as `prompt_cache=` to mlx-lm's generate_step,
     generate or stream_generate, or per request to BatchGenerator.insert(caches=...). direct: whether
     the fused layers whose attention is the llama form run direct_attention's forward (None:
-    MLX_AOT_DIRECT_ATTENTION, on by default); it applies to the model, so to its earlier caches too."""
+    MLX_AOT_DIRECT_ATTENTION, on by default); it applies to the model, so to its earlier caches too.
+    kv_bits (with kv_group_size): quantized caches from the first token, mlx-lm's QuantizedKVCache
+    format with the kernels' writes and attention (mlx_lm_quant_cache.py) in every layer whose own
+    cache is a KVCache."""
     if max_kv_size is not None and (not isinstance(max_kv_size, int) or isinstance(max_kv_size, bool)
                                     or max_kv_size < 1):
         raise ValueError(f"make_prompt_cache: max_kv_size must be a positive int or None, got {max_kv_size!r}")
     direct = _direct_arg(direct, "make_prompt_cache")
+    if kv_bits is not None:
+        from . import mlx_lm_quant_cache as quant
+
+        quant.check_format(kv_bits, kv_group_size)
     if direct is None:                # each call: the variable as it is now (fused_model's None keeps the model's)
         direct = envs.get_flag("MLX_AOT_DIRECT_ATTENTION")
     fm = fused_model(model, kernels=kernels, direct=direct)
     own = _stock.make_prompt_cache(model, max_kv_size)
-    return [_bind_entry(e, fm, i) for i, e in enumerate(own)]
+    cache = [_bind_entry(e, fm, i) for i, e in enumerate(own)]
+    if kv_bits is None:
+        return cache
+    return [quant.quantized_entry(e, fm, i, kv_bits, kv_group_size) for i, e in enumerate(cache)]
 
 
 def bind_prompt_cache(model, cache: list) -> list:

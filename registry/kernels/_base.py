@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -47,13 +48,86 @@ def shape_str(a: Any) -> str:
 # ----------------------------------------------------------------------------- pools
 
 SLOT_MAJOR, HEAD_MAJOR = 0, 1   # the kernels' pool_layout scalar
-_LAYOUTS = {3: ("slot-major", "[pool_size, n_kv_heads={H}, head_dim={D}]"),
-            4: ("head-major", "[batch, n_kv_heads={H}, rows, head_dim={D}]")}
+_LAYOUTS = {3: ("slot-major", "[pool_size, n_kv_heads={H}, {W}]"),
+            4: ("head-major", "[batch, n_kv_heads={H}, rows, {W}]")}
+QUANT_BITS = (4, 8)             # mlx-lm's QuantizedKVCache formats the quantized kernels implement
+QUANT_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class PoolFormat:
+    """How one side (K or V) of a KV cache stores its rows: a pool group, a named group of arrays of
+    one layout, each with its own dtype and row width (docs/kernel-abi.md, "Pool groups"):
+      - float rows (bits None): `<side>_pool`, head_dim wide, float16/bfloat16/float32;
+      - mlx-lm's affine quantization (`mx.quantize(x, group_size, bits)`): `<side>_pool` packed uint32
+        words head_dim * bits / 32 wide, `<side>_scales` and `<side>_biases` head_dim / group_size
+        wide, in the scales' float dtype."""
+
+    bits: int | None = None
+    group_size: int | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return ("pool", "scales", "biases") if self.quantized else ("pool",)
+
+    def names(self, side: str) -> tuple[str, ...]:
+        """The group's argument names for side 'k' or 'v'."""
+        return tuple(f"{side}_{m}" for m in self.members)
+
+    def widths(self, dim: int) -> tuple[int, ...]:
+        """Each member's row width for head_dim `dim`."""
+        if not self.quantized:
+            return (dim,)
+        return (dim * self.bits // 32, dim // self.group_size, dim // self.group_size)
+
+    def width_names(self) -> tuple[str, ...]:
+        return ("head_dim={D}",) if not self.quantized else (
+            f"head_dim*{self.bits}/32={{W}}", f"head_dim/{self.group_size}={{G}}", f"head_dim/{self.group_size}={{G}}")
+
+    def check(self, kernel: str, head_dim: int) -> None:
+        """bits and group_size of a format the quantized kernels implement, dividing head_dim."""
+        if not self.quantized:
+            return
+        if self.bits not in QUANT_BITS:
+            raise KernelArgumentError(f"{kernel}: bits={self.bits!r}: the kernel stores 4- or 8-bit rows")
+        if self.group_size not in QUANT_GROUP_SIZES:
+            raise KernelArgumentError(f"{kernel}: group_size={self.group_size!r} is not one of "
+                                      f"{', '.join(map(str, QUANT_GROUP_SIZES))}")
+        if head_dim % self.group_size:
+            raise KernelArgumentError(f"{kernel}: group_size={self.group_size} does not divide head_dim={head_dim}")
+
+    def __str__(self) -> str:
+        return "float rows" if not self.quantized else f"{self.bits}-bit, group size {self.group_size}"
+
+
+FLOAT_POOLS = PoolFormat()
+
+
+class FormatConfig:
+    """Mixed in before a kernel class whose objects are configured by a quantized cache's PoolFormat
+    (the selection context's kv_bits and kv_group_size): `self.fmt`."""
+
+    def __init__(self, fmt: PoolFormat, **kw):
+        super().__init__(fmt, **kw)
+        self.fmt = fmt
+
+    @classmethod
+    def config_from(cls, ctx: SelectionContext) -> PoolFormat:
+        return PoolFormat(ctx.kv_bits, ctx.kv_group_size)
+
+    @classmethod
+    def context_fields(cls, fmt: PoolFormat) -> dict:
+        return dict(kv_bits=fmt.bits, kv_group_size=fmt.group_size)
 
 
 class PoolGeometry:
-    """A pool's layout read off its rank: slot-major [S, Hkv, D] (slot s is row s) or head-major
-    [B, Hkv, S, D] (mlx-lm's KVCache; slot = b * S + s). `size` = total slots, `rows` = S."""
+    """A pool's layout read off its rank: slot-major [S, Hkv, W] (slot s is row s) or head-major
+    [B, Hkv, S, W] (mlx-lm's KVCache; slot = b * S + s). `size` = total slots, `rows` = S, `dim` = W
+    (any member of a pool group: they share everything but W)."""
 
     __slots__ = ("layout", "size", "rows", "heads", "dim")
 
@@ -131,35 +205,70 @@ def check_activations(kernel: str, named: dict[str, mx.array]) -> None:
                                       f"{named[first].dtype}; {', '.join(named)} must match")
 
 
-def check_pool_ranks(kernel: str, k_pool, v_pool) -> None:
-    for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
+def check_pool_ranks(kernel: str, pools: dict[str, mx.array], fmt: PoolFormat = FLOAT_POOLS) -> None:
+    width = "head_dim" if not fmt.quantized else "width"
+    for name, p in pools.items():
         if p.ndim not in _LAYOUTS:
             raise KernelArgumentError(
-                f"{kernel}: {name} must be a slot-major [pool_size, n_kv_heads, head_dim] (3-D) or head-major "
-                f"[batch, n_kv_heads, rows, head_dim] (4-D) pool, got shape {shape_str(p)}")
+                f"{kernel}: {name} must be a slot-major [pool_size, n_kv_heads, {width}] (3-D) or head-major "
+                f"[batch, n_kv_heads, rows, {width}] (4-D) pool, got shape {shape_str(p)}")
 
 
-def check_pools(kernel: str, k_pool, v_pool, heads: int, dim: int) -> PoolGeometry:
-    """Both pools: either layout, `heads` x `dim` rows, one shape, one float dtype (any of the three,
-    whatever the activations': the kernels convert on the store), at most INT32_MAX slots."""
-    check_pool_ranks(kernel, k_pool, v_pool)
-    if k_pool.dtype not in DTYPE_NAMES:
-        raise KernelArgumentError(f"{kernel}: k_pool dtype {k_pool.dtype} is not float16, bfloat16 or float32 (a "
-                                  f"pool may differ from the activations' dtype, but must be one of these)")
-    if v_pool.dtype != k_pool.dtype:
-        raise KernelArgumentError(f"{kernel}: v_pool dtype {v_pool.dtype} differs from k_pool dtype "
-                                  f"{k_pool.dtype}; the pools must match")
-    for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if p.shape[1] != heads or p.shape[-1] != dim:
-            layout, want = _LAYOUTS[p.ndim]
-            raise KernelArgumentError(f"{kernel}: {name} {shape_str(p)}: a {layout} pool must be "
-                                      + want.format(H=heads, D=dim))
-    if k_pool.shape != v_pool.shape:
-        raise KernelArgumentError(f"{kernel}: k_pool {shape_str(k_pool)} and v_pool {shape_str(v_pool)} must "
-                                  f"have the same shape")
-    geo = PoolGeometry(k_pool)
+def check_pools(kernel: str, pools: dict[str, mx.array], heads: int, dim: int,
+                fmt: PoolFormat = FLOAT_POOLS, act_dtype: mx.Dtype | None = None) -> PoolGeometry:
+    """The K and V pool groups (`pools`: fmt.names('k') + fmt.names('v'), in that order): every array of
+    one layout and one slot count, `heads` x its member's width (PoolFormat.widths), at most INT32_MAX
+    slots. Float rows: both pools of one float dtype (any of the three, whatever the activations':
+    the kernels convert on the store). Quantized: uint32 words, scales and biases of one float dtype,
+    the activations' (`act_dtype`, when given: mlx-lm keeps them in the keys' dtype)."""
+    want = fmt.names("k") + fmt.names("v")
+    if tuple(pools) != want:   # a wrapper's contract, not the caller's
+        raise KernelArgumentError(f"{kernel}: pools {', '.join(pools)}; the {fmt} format has {', '.join(want)}")
+    check_arrays(kernel, pools)
+    check_pool_ranks(kernel, pools, fmt)
+    first = want[0]
+    if not fmt.quantized:
+        k_pool, v_pool = pools["k_pool"], pools["v_pool"]
+        if k_pool.dtype not in DTYPE_NAMES:
+            raise KernelArgumentError(f"{kernel}: k_pool dtype {k_pool.dtype} is not float16, bfloat16 or float32 (a "
+                                      f"pool may differ from the activations' dtype, but must be one of these)")
+        if v_pool.dtype != k_pool.dtype:
+            raise KernelArgumentError(f"{kernel}: v_pool dtype {v_pool.dtype} differs from k_pool dtype "
+                                      f"{k_pool.dtype}; the pools must match")
+    else:
+        fmt.check(kernel, dim)
+        scales = pools["k_scales"]
+        for name, p in pools.items():
+            if name.endswith("_pool") and p.dtype != mx.uint32:
+                raise KernelArgumentError(f"{kernel}: {name} dtype {p.dtype} is not uint32 (the packed words of "
+                                          f"a quantized pool)")
+        if scales.dtype not in DTYPE_NAMES:
+            raise KernelArgumentError(f"{kernel}: k_scales dtype {scales.dtype} is not float16, bfloat16 or float32")
+        for name, p in pools.items():
+            if not name.endswith("_pool") and p.dtype != scales.dtype:
+                raise KernelArgumentError(f"{kernel}: {name} dtype {p.dtype} differs from k_scales dtype "
+                                          f"{scales.dtype}; scales and biases must match")
+        if act_dtype is not None and scales.dtype != act_dtype:
+            raise KernelArgumentError(f"{kernel}: k_scales dtype {scales.dtype} differs from the activations' "
+                                      f"{act_dtype}: the kernel keeps scales and biases in the activations' dtype, "
+                                      f"as mlx-lm's QuantizedKVCache keeps them in the keys'")
+    widths = fmt.widths(dim)
+    values = dict(H=heads, D=dim, W=widths[0], G=widths[-1])
+    for side in ("k", "v"):
+        for name, width, what in zip(fmt.names(side), widths, fmt.width_names()):
+            p = pools[name]
+            if p.shape[1] != heads or p.shape[-1] != width:
+                layout, form = _LAYOUTS[p.ndim]
+                raise KernelArgumentError(f"{kernel}: {name} {shape_str(p)}: a {layout} pool must be "
+                                          + form.format(H=heads, W=what.format(**values)))
+    for name, p in pools.items():
+        if p.shape[:-1] != pools[first].shape[:-1] or p.ndim != pools[first].ndim:
+            raise KernelArgumentError(f"{kernel}: {first} {shape_str(pools[first])} and {name} {shape_str(p)} must "
+                                      f"have the same shape" + ("" if not fmt.quantized else
+                                                                " but for the last axis (one slot per row)"))
+    geo = PoolGeometry(pools[first])
     if geo.size > INT32_MAX:
-        raise KernelArgumentError(f"{kernel}: k_pool {shape_str(k_pool)} holds {geo.size} slots, more than "
+        raise KernelArgumentError(f"{kernel}: {first} {shape_str(pools[first])} holds {geo.size} slots, more than "
                                   f"INT32_MAX = {INT32_MAX}: slots and the kernel's pool_size are int32")
     return geo
 
@@ -176,9 +285,9 @@ def pool_dtype_key(act: mx.Dtype, pool: mx.Dtype) -> str:
 
 
 def store_rows(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
-    """`pool` with slot slots[t] = rows[t] [Hkv, D] (converted to the pool's dtype) where slots[t] is in
+    """`pool` with slot slots[t] = rows[t] [Hkv, W] (converted to the pool's dtype) where slots[t] is in
     range, lazily (no host sync), either layout: one scatter of head rows into the pool seen as
-    [rows, D], with 64-bit row indices. Tokens that must not be written repeat a valid token's write
+    [rows, W], with 64-bit row indices (any member of a pool group: W is its own width). Tokens that must not be written repeat a valid token's write
     (the same value, so the repeated index cannot conflict); with no valid token, row indices of
     slot 0 get their own values."""
     geo = PoolGeometry(pool)
@@ -198,6 +307,19 @@ def store_rows(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
     vals = mx.where(valid[:, None, None], rows.astype(pool.dtype), fallback)
     out[flat_rows.reshape(-1)] = vals.reshape(-1, geo.dim)
     return out.reshape(pool.shape)
+
+
+def group_rows(x: mx.array, fmt: PoolFormat) -> tuple[mx.array, ...]:
+    """Rows x [..., head_dim] in a pool group's format: (x,) for float rows, else mlx-lm's own
+    `mx.quantize(x, group_size, bits)` (words, scales, biases), the oracle of the quantized kernels."""
+    if not fmt.quantized:
+        return (x,)
+    return tuple(mx.quantize(x, group_size=fmt.group_size, bits=fmt.bits))
+
+
+def store_group(pools: tuple[mx.array, ...], slots: mx.array, rows: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+    """store_rows for every member of a pool group (the same slots, each member's own rows)."""
+    return tuple(store_rows(p, slots, r) for p, r in zip(pools, rows))
 
 
 def check_slot_values(kernel: str, slots: mx.array, pool_size: int, positions: mx.array | None = None) -> None:

@@ -1,5 +1,6 @@
-"""What the RoPE kernels' wrappers share (rope_pool_fused, qk_norm_rope_pool_fused): the argument
-contract of q, k, v, positions, slots and the pools, and the pure-MLX rotation of their references."""
+"""What the RoPE kernels' wrappers share (rope_pool_fused, qk_norm_rope_pool_fused, rope_quant_pool_fused):
+the argument contract of q, k, v, positions, slots, the pools and the norm weights, and the pure-MLX
+norm and rotation of their references."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import KernelArgumentError
+from ..norm import NormConfig
 from ..rope import RopeConfig, UnsupportedRope, normalize_rope
-from ._base import (PoolGeometry, check_activations, check_arrays, check_index, check_pool_ranks, check_pools, rows_of,
-                    shape_str)
+from ._base import (FLOAT_POOLS, PoolFormat, PoolGeometry, check_activations, check_arrays, check_index,
+                    check_pool_ranks, check_pools, rows_of, shape_str)
 
 
 def rope_config(kernel: str, rope: Any) -> RopeConfig:
@@ -22,13 +24,14 @@ def rope_config(kernel: str, rope: Any) -> RopeConfig:
         raise KernelArgumentError(f"{kernel}: rope: {e}") from None
 
 
-def check_rope_args(kernel: str, q, k, v, positions, slots, k_pool, v_pool, rope: RopeConfig) -> PoolGeometry:
+def check_rope_args(kernel: str, q, k, v, positions, slots, pools: dict[str, mx.array], rope: RopeConfig,
+                    fmt: PoolFormat = FLOAT_POOLS) -> PoolGeometry:
     """q [T, Hq, D], k and v [T, Hkv, D] (or all [B, H, L, D], T = B * L) of one float dtype, Hq a
-    multiple of Hkv, D even and at least rope.rotary_dims, int32 positions and slots [T], pools of
-    either layout; returns the pools' geometry."""
-    check_arrays(kernel, dict(q=q, k=k, v=v, positions=positions, slots=slots, k_pool=k_pool, v_pool=v_pool))
+    multiple of Hkv, D even and at least rope.rotary_dims, int32 positions and slots [T], the pool
+    groups of `fmt` (by name) of either layout; returns the pools' geometry."""
+    check_arrays(kernel, dict(q=q, k=k, v=v, positions=positions, slots=slots, **pools))
     check_activations(kernel, dict(q=q, k=k, v=v))
-    check_pool_ranks(kernel, k_pool, v_pool)
+    check_pool_ranks(kernel, pools, fmt)
     T, Hq, D = rows_of(q)
     if k.shape != v.shape:
         raise KernelArgumentError(f"{kernel}: k {shape_str(k)} and v {shape_str(v)} must have the same shape")
@@ -44,7 +47,29 @@ def check_rope_args(kernel: str, q, k, v, positions, slots, k_pool, v_pool, rope
         check_index(kernel, name, a, T)
     if rope.rotary_dims > D:
         raise KernelArgumentError(f"{kernel}: rope.rotary_dims={rope.rotary_dims} exceeds head_dim={D}")
-    return check_pools(kernel, k_pool, v_pool, Hkv, D)
+    return check_pools(kernel, pools, Hkv, D, fmt, act_dtype=q.dtype if fmt.quantized else None)
+
+
+def check_norm_weights(kernel: str, q: mx.array, q_weight, k_weight) -> None:
+    """The q/k norms' weights: float [head_dim] arrays."""
+    check_arrays(kernel, dict(q_weight=q_weight, k_weight=k_weight))
+    D = q.shape[-1]
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (D,) or not mx.issubdtype(w.dtype, mx.floating):
+            raise KernelArgumentError(f"{kernel}: {name} must be a float [head_dim={D}] array (the "
+                                      f"norm's weight), got {w.dtype} {shape_str(w)}")
+
+
+def normed(x: mx.array, w: mx.array, norm: NormConfig) -> mx.array:
+    """The model's per-head RMSNorm: fp32 math, one rounding to x.dtype."""
+    x32 = x.astype(mx.float32)
+    return mx.fast.rms_norm(x32, w.astype(mx.float32) + norm.weight_offset, norm.eps).astype(x.dtype)
+
+
+def norm_rope_table(q_weight: mx.array, k_weight: mx.array, freqs: mx.array) -> mx.array:
+    """[q_weight | k_weight | inv_freq] in fp32 (the weights exactly, as the reference's fp32 math takes
+    them): the norm kernels' one table buffer."""
+    return mx.concatenate([q_weight.astype(mx.float32), k_weight.astype(mx.float32), freqs])
 
 
 def rope_scalars(rope: RopeConfig) -> dict[str, Any]:

@@ -91,6 +91,38 @@ def _check_scalars(scale, window, softcap) -> None:
         raise KernelArgumentError(f"decode_attention: softcap must be a finite number >= 0 (0: none), got {softcap!r}")
 
 
+def check_queries(kernel: str, q, scale, window, softcap) -> tuple[int, int, int, int]:
+    """q [B, Hq, L <= 8, D] of a float dtype, D a multiple of 8 up to 256, and the scalars; its shape."""
+    _check_scalars(scale, window, softcap)
+    if q.ndim != 4:
+        raise KernelArgumentError(f"{kernel}: q must be 4-D [batch, n_q_heads, L, head_dim], got shape {shape_str(q)}")
+    if q.dtype not in DTYPE_NAMES:
+        raise KernelArgumentError(f"{kernel}: q dtype {q.dtype} is not float16, bfloat16 or float32")
+    B, Hq, L, D = q.shape
+    if not 1 <= L <= MAX_QUERY:
+        raise KernelArgumentError(f"{kernel}: q has L={L} query tokens per sequence; the kernel takes "
+                                  f"1 to {MAX_QUERY} (decode and speculative verification; prefill: MLX's sdpa)")
+    if D % 8 or not 8 <= D <= MAX_HEAD_DIM:
+        raise KernelArgumentError(f"{kernel}: head_dim={D} (q {shape_str(q)}): the kernel takes a "
+                                  f"multiple of 8 up to {MAX_HEAD_DIM}")
+    return B, Hq, L, D
+
+
+def check_rows(kernel: str, kv_len, kv_end, table, B: int, slot_major: bool) -> None:
+    """kv_len and kv_end int32 [B]; a slot-major pool's table int32 [B, max_keys], a head-major's None."""
+    for name, a in (("kv_len", kv_len), ("kv_end", kv_end)):
+        if a.dtype != mx.int32 or tuple(a.shape) != (B,):
+            raise KernelArgumentError(f"{kernel}: {name} must be int32 [batch={B}], got {a.dtype} {shape_str(a)}")
+    if slot_major:
+        if not isinstance(table, mx.array) or table.dtype != mx.int32 or table.ndim != 2 or table.shape[0] != B:
+            got = f"{table.dtype} {shape_str(table)}" if isinstance(table, mx.array) else repr(table)
+            raise KernelArgumentError(f"{kernel}: a slot-major pool needs table, int32 [batch={B}, "
+                                      f"max_keys] of slots, got {got}")
+    elif table is not None and not (isinstance(table, mx.array) and table.size <= 1):
+        raise KernelArgumentError(f"{kernel}: a head-major pool reads its rows through kv_len and "
+                                  f"kv_end; table must be None, got {shape_str(table)}")
+
+
 class DecodeAttentionKernel(PoolKernel):
     NAME = KERNEL_NAME
     ARGS = ("q", "k_pool", "v_pool", "kv_len", "kv_end", "table")
@@ -104,19 +136,7 @@ class DecodeAttentionKernel(PoolKernel):
     # -- the contract
     def validate(self, q, k_pool, v_pool, kv_len, kv_end, table, scale=1.0, window=0, softcap=0.0) -> None:
         check_arrays(KERNEL_NAME, dict(q=q, k_pool=k_pool, v_pool=v_pool, kv_len=kv_len, kv_end=kv_end))
-        _check_scalars(scale, window, softcap)
-        if q.ndim != 4:
-            raise KernelArgumentError(f"decode_attention: q must be 4-D [batch, n_q_heads, L, head_dim], got shape "
-                                      f"{shape_str(q)}")
-        if q.dtype not in DTYPE_NAMES:
-            raise KernelArgumentError(f"decode_attention: q dtype {q.dtype} is not float16, bfloat16 or float32")
-        B, Hq, L, D = q.shape
-        if not 1 <= L <= MAX_QUERY:
-            raise KernelArgumentError(f"decode_attention: q has L={L} query tokens per sequence; the kernel takes "
-                                      f"1 to {MAX_QUERY} (decode and speculative verification; prefill: MLX's sdpa)")
-        if D % 8 or not 8 <= D <= MAX_HEAD_DIM:
-            raise KernelArgumentError(f"decode_attention: head_dim={D} (q {shape_str(q)}): the kernel takes a "
-                                      f"multiple of 8 up to {MAX_HEAD_DIM}")
+        B, Hq, L, D = check_queries(KERNEL_NAME, q, scale, window, softcap)
         for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
             if p.ndim not in (3, 4):
                 raise KernelArgumentError(f"decode_attention: {name} must be head-major [batch, n_kv_heads, rows, "
@@ -140,18 +160,7 @@ class DecodeAttentionKernel(PoolKernel):
                                       f"batch {B}")
         if k_pool.size > 0 and (k_pool.shape[-3] if k_pool.ndim == 3 else k_pool.shape[2]) > INT32_MAX:
             raise KernelArgumentError(f"decode_attention: k_pool {shape_str(k_pool)} has more than INT32_MAX rows")
-        for name, a in (("kv_len", kv_len), ("kv_end", kv_end)):
-            if a.dtype != mx.int32 or tuple(a.shape) != (B,):
-                raise KernelArgumentError(f"decode_attention: {name} must be int32 [batch={B}], got {a.dtype} "
-                                          f"{shape_str(a)}")
-        if k_pool.ndim == 3:
-            if not isinstance(table, mx.array) or table.dtype != mx.int32 or table.ndim != 2 or table.shape[0] != B:
-                got = f"{table.dtype} {shape_str(table)}" if isinstance(table, mx.array) else repr(table)
-                raise KernelArgumentError(f"decode_attention: a slot-major pool needs table, int32 [batch={B}, "
-                                          f"max_keys] of slots, got {got}")
-        elif table is not None and not (isinstance(table, mx.array) and table.size <= 1):
-            raise KernelArgumentError(f"decode_attention: a head-major pool reads its rows through kv_len and "
-                                      f"kv_end; table must be None, got {shape_str(table)}")
+        check_rows(KERNEL_NAME, kv_len, kv_end, table, B, k_pool.ndim == 3)
 
     def check_values(self, q, k_pool, v_pool, kv_len, kv_end, table) -> None:
         """Valid ranges inside the pool and table entries in range, in one host sync (check=True)."""
@@ -262,7 +271,7 @@ class DecodeAttentionKernel(PoolKernel):
         if scratch is None:
             scratch = _SCRATCH[self.backend] = _Scratch()
         try:
-            key = (q.shape, q.dtype, k_pool.shape, k_pool.dtype, v_pool.shape, v_pool.dtype, kv_len.shape,
+            key = (q.shape, q.dtype, *self.pool_key(k_pool), *self.pool_key(v_pool), kv_len.shape,
                    kv_end.shape, kv_len.dtype, kv_end.dtype, table.shape, table.dtype, scale, window, softcap)
         except AttributeError:
             key = None
@@ -272,20 +281,28 @@ class DecodeAttentionKernel(PoolKernel):
             scratch.fit(*self.scratch_need(q, k_pool, table))
             dkey, scalars, grid, group = self.launch_config(q, k_pool, v_pool, kv_len, kv_end, table, scale, window,
                                                             softcap)
-            arrays = [q, k_pool, v_pool, kv_len, kv_end, table, scratch.workspace, scratch.locks]
+            arrays = self.launch_arrays(q, k_pool, v_pool, kv_len, kv_end, table)
             plan = self._launcher.plan(dkey, scalars, grid=grid, threadgroup=group,
                                        input_shapes=[a.shape for a in arrays])
             last = self._last = (key, plan, (scratch.workspace.size, scratch.locks.size))
         if check:
             self.check_values(q, k_pool, v_pool, kv_len, kv_end, table)
         out, scratch.workspace, scratch.locks = self._launch(
-            self._binary, last[1], [q, k_pool, v_pool, kv_len, kv_end, table, scratch.workspace, scratch.locks],
-            self.device)
+            self._binary, last[1], self.launch_arrays(q, k_pool, v_pool, kv_len, kv_end, table), self.device)
         return out
+
+    # A side's pool as the kernel takes it: one array here, a group of them in a subclass (the
+    # quantized kernel's words, scales and biases).
+    def pool_key(self, pool) -> tuple:
+        return pool.shape, pool.dtype
+
+    def pool_arrays(self, pool) -> tuple:
+        return (pool,)
 
     def launch_arrays(self, q, k_pool, v_pool, kv_len, kv_end, table, *_):
         scratch = _SCRATCH[self.backend]
-        return [q, k_pool, v_pool, kv_len, kv_end, table, scratch.workspace, scratch.locks]
+        return [q, *self.pool_arrays(k_pool), *self.pool_arrays(v_pool), kv_len, kv_end, table, scratch.workspace,
+                scratch.locks]
 
     def bind(self, *args):
         raise NotImplementedError("decode_attention: call the kernel object (its last plan is kept per object)")

@@ -41,7 +41,7 @@ class KvPoolStoreKernel(PoolKernel):
             raise KernelArgumentError(f"kv_pool_store: k {shape_str(k)} and v {shape_str(v)} must have the same shape")
         T, Hkv, D = rows_of(k)
         check_index(KERNEL_NAME, "slots", slots, T)
-        check_pools(KERNEL_NAME, k_pool, v_pool, Hkv, D)
+        check_pools(KERNEL_NAME, dict(k_pool=k_pool, v_pool=v_pool), Hkv, D)
 
     def reference(self, k, v, slots, k_pool, v_pool):
         return store_rows(k_pool, slots, to_rows(k)), store_rows(v_pool, slots, to_rows(v))

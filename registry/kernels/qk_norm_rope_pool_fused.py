@@ -22,9 +22,9 @@ from ..core import SelectionContext
 from ..errors import KernelArgumentError
 from ..norm import NormConfig
 from ..rope import RopeConfig
-from ._base import (DerivedArray, PoolGeometry, PoolKernel, act_scalars, check_arrays, from_rows, pool_dtype_key,
-                    rows_of, shape_str, store_rows, to_rows)
-from ._rope import check_rope_args, inv_freq, rope_config, rope_scalars, rotate
+from ._base import DerivedArray, PoolGeometry, PoolKernel, act_scalars, from_rows, pool_dtype_key, rows_of, store_rows, to_rows
+from ._rope import (check_norm_weights, check_rope_args, inv_freq, norm_rope_table, normed, rope_config,
+                    rope_scalars, rotate)
 
 KERNEL_NAME = "qk_norm_rope_pool_fused"
 ROWS_PER_GROUP = 8    # rows (one head of one token) per threadgroup; the Metal source's partial[256] = 8 x 32
@@ -58,22 +58,12 @@ class QkNormRopePoolFusedKernel(PoolKernel):
         return dict(rope=config[0], qk_norm=config[1], qk_norm_error="")
 
     def validate(self, q, k, v, positions, slots, k_pool, v_pool, q_weight, k_weight) -> None:
-        check_rope_args(KERNEL_NAME, q, k, v, positions, slots, k_pool, v_pool, self.rope)
-        check_arrays(KERNEL_NAME, dict(q_weight=q_weight, k_weight=k_weight))
-        D = q.shape[-1]
-        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-            if w.shape != (D,) or not mx.issubdtype(w.dtype, mx.floating):
-                raise KernelArgumentError(f"{KERNEL_NAME}: {name} must be a float [head_dim={D}] array (the "
-                                          f"norm's weight), got {w.dtype} {shape_str(w)}")
-
-    def _normed(self, x: mx.array, w: mx.array) -> mx.array:
-        """The model's per-head RMSNorm: fp32 math, one rounding to x.dtype."""
-        x32 = x.astype(mx.float32)
-        return mx.fast.rms_norm(x32, w.astype(mx.float32) + self.norm.weight_offset, self.norm.eps).astype(x.dtype)
+        check_rope_args(KERNEL_NAME, q, k, v, positions, slots, dict(k_pool=k_pool, v_pool=v_pool), self.rope)
+        check_norm_weights(KERNEL_NAME, q, q_weight, k_weight)
 
     def reference(self, q, k, v, positions, slots, k_pool, v_pool, q_weight, k_weight):
-        q_out = rotate(self._normed(to_rows(q), q_weight), positions, self.rope)
-        k_out = rotate(self._normed(to_rows(k), k_weight), positions, self.rope)
+        q_out = rotate(normed(to_rows(q), q_weight, self.norm), positions, self.rope)
+        k_out = rotate(normed(to_rows(k), k_weight, self.norm), positions, self.rope)
         return (from_rows(q_out, q), from_rows(k_out, k), store_rows(k_pool, slots, k_out),
                 store_rows(v_pool, slots, to_rows(v)))
 
@@ -93,9 +83,7 @@ class QkNormRopePoolFusedKernel(PoolKernel):
         return pool_dtype_key(q.dtype, k_pool.dtype), scalars, grid, group
 
     def _make_table(self, q_weight, k_weight) -> mx.array:
-        """norm_rope_table: [q_weight | k_weight | inv_freq] in fp32 (the weights exactly, as the
-        reference's fp32 math takes them)."""
-        return mx.concatenate([q_weight.astype(mx.float32), k_weight.astype(mx.float32), self._inv_freq])
+        return norm_rope_table(q_weight, k_weight, self._inv_freq)
 
     def launch_arrays(self, q, k, v, positions, slots, k_pool, v_pool, q_weight, k_weight):
         return [q, k, v, k_pool, v_pool, positions, slots, self._table(q_weight, k_weight)]

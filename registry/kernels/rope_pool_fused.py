@@ -122,7 +122,7 @@ class RopePoolFusedKernel(PoolKernel):
                 f"source={self.rope.source}, implementation={self.implementation})")
 
     def validate(self, q, k, v, positions, slots, k_pool, v_pool) -> None:
-        check_rope_args(KERNEL_NAME, q, k, v, positions, slots, k_pool, v_pool, self.rope)
+        check_rope_args(KERNEL_NAME, q, k, v, positions, slots, dict(k_pool=k_pool, v_pool=v_pool), self.rope)
 
     def reference(self, q, k, v, positions, slots, k_pool, v_pool):
         q_rot, k_rot = rotate(to_rows(q), positions, self.rope), rotate(to_rows(k), positions, self.rope)

@@ -62,6 +62,34 @@ report("slot-major", out, out[2][:, 0, 0])
 out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, f32(2, 8, 4, 128), f32(2, 8, 4, 128), w, w, check_slots=False)
 report("head-major", out, out[2][:, 0, :, 0])
 """,
+    # quantized pools (4-bit, group 32): the scales of a written row of ones are nonzero
+    "kv_quant_pool_store": """
+from registry.kernels._base import PoolFormat
+from tests.test_quant_pool_store import native_store
+kernel = native_store(PoolFormat(4, 32))
+def qpools(*lead):
+    shape = lambda w: (lead[0], 8, lead[1], w) if len(lead) == 2 else (lead[0], 8, w)
+    return [mx.zeros(shape(w), dt) for _ in "kv" for w, dt in ((16, mx.uint32), (4, mx.float16), (4, mx.float16))]
+out = kernel(mk(T, 8, 128), mk(T, 8, 128), slots, *qpools(S), check_slots=False)
+report("slot-major", out, out[1][:, 0, 0], before=0)
+out = kernel(mk(T, 8, 128), mk(T, 8, 128), slots, *qpools(2, 4), check_slots=False)
+report("head-major", out, out[1][:, 0, :, 0], before=0)
+""",
+    "rope_quant_pool_fused": """
+from registry.kernels._base import PoolFormat
+from registry.norm import NormConfig
+from registry.rope import RopeConfig
+from tests.test_quant_pool_store import native_rope
+kernel = native_rope(RopeConfig(128), NormConfig(1e-6, 1.0), PoolFormat(8, 64))
+def qpools(*lead):
+    shape = lambda w: (lead[0], 8, lead[1], w) if len(lead) == 2 else (lead[0], 8, w)
+    return [mx.zeros(shape(w), dt) for _ in "kv" for w, dt in ((32, mx.uint32), (2, mx.float16), (2, mx.float16))]
+w = mk(128)
+out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, *qpools(S), w, w, check_slots=False)
+report("slot-major", out, out[3][:, 0, 0], before=0)
+out = kernel(mk(T, 32, 128), mk(T, 8, 128), mk(T, 8, 128), pos, slots, *qpools(2, 4), w, w, check_slots=False)
+report("head-major", out, out[3][:, 0, :, 0], before=0)
+""",
     "decode_attention": """
 from tests.test_decode_attention import native_kernel
 kernel = native_kernel()
@@ -78,18 +106,36 @@ lens = mx.array(np.array([2**31 - 1], np.int32))
 out = kernel(mk(1, 32, 1, 128), mk(1, 8, 2048, 128), mk(1, 8, 2048, 128), lens, kv_end[:1], scale=0.1, check=False)
 print("split outputs finite:", bool(mx.all(mx.isfinite(out)).item()))
 """,
+    # quantized pools (8-bit, group 64): table entries and ranges past the pool, a split row
+    "decode_attention_quantized": """
+from registry.kernels._base import PoolFormat
+from tests.test_decode_attention_quantized import native_kernel
+kernel = native_kernel(PoolFormat(8, 64))
+qp = lambda *lead: tuple(mx.quantize(mk(*lead, 8, 128), group_size=64, bits=8))
+q = mk(4, 32, 2, 128)
+big = [2**31 - 1, -(2**31), 10**6, -1]
+table = mx.array(np.array([[S, -1, 2**31 - 1, 0], [-(2**31), 10**6, 1, 2], [0, 1, 2, 3], [3, 2, 1, 0]], np.int32))
+kv_len = mx.array(np.array([4, 4, -5, 2**31 - 1], np.int32))
+out = kernel(q, qp(S), qp(S), kv_len, None, table, scale=0.1, check=False)
+print("slot-major outputs finite:", bool(mx.all(mx.isfinite(out)).item()))
+kv_end = mx.array(np.array(big, np.int32))
+pool = lambda: tuple(x.transpose(0, 2, 1, 3) for x in mx.quantize(mk(4, 6, 8, 128), group_size=64, bits=8))
+out = kernel(q, tuple(mx.contiguous(x) for x in pool()), tuple(mx.contiguous(x) for x in pool()), kv_len, kv_end,
+             scale=0.1, window=3, check=False)
+print("head-major outputs finite:", bool(mx.all(mx.isfinite(out)).item()))
+lens = mx.array(np.array([2**31 - 1], np.int32))
+long = lambda: tuple(mx.contiguous(x.transpose(0, 2, 1, 3)) for x in mx.quantize(mk(1, 2048, 8, 128), group_size=64, bits=8))
+out = kernel(mk(1, 32, 1, 128), long(), long(), lens, kv_end[:1], scale=0.1, check=False)
+print("split outputs finite:", bool(mx.all(mx.isfinite(out)).item()))
+""",
 }
 # What a case prints when nothing was written or read out of range (default: the store kernels' lines).
-EXPECT = {"decode_attention": ["slot-major outputs finite: True", "head-major outputs finite: True",
-                               "split outputs finite: True"]}
+_ATTENTION_LINES = ["slot-major outputs finite: True", "head-major outputs finite: True", "split outputs finite: True"]
+EXPECT = {"decode_attention": _ATTENTION_LINES, "decode_attention_quantized": _ATTENTION_LINES}
 _STORE_LINES = ["slot-major rows written: 4", "head-major rows written: 4"]
 
 KERNELS = [k.name for k in KernelRegistry.from_yaml().manifest.kernels]
-
-
-def test_every_kernel_has_a_sanitizer_case():
-    missing = sorted(set(KERNELS) - set(CASES))
-    assert not missing, f"add an out-of-range case for {missing} to CASES in tests/gpu/test_gpu_sanitizer.py"
+# tests/test_manifest.py checks, on every host, that each kernel of kernels.yaml has a case here.
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
