@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -47,7 +48,11 @@ def native_artifacts(tmp_path_factory):
     from registry.core import backend_of
 
     backend = backend_of(None)
-    out = tmp_path_factory.mktemp("artifacts")
+    # MLX_AOT_TEST_ARTIFACTS (tests/gpu/run_on_host.sh): a directory of artifacts built for this tree
+    # just before; compile_kernels finds them fresh (content-keyed) instead of every pytest-xdist
+    # worker compiling every kernel again (minutes of nvcc for the attention kernels).
+    shared = os.environ.get("MLX_AOT_TEST_ARTIFACTS")
+    out = Path(shared) if shared else tmp_path_factory.mktemp("artifacts")
     archs = None
     if backend == "cuda":
         from registry.native import import_ext

@@ -24,6 +24,10 @@ cmake -S csrc -B "$build" -DPython_EXECUTABLE="$(command -v python3)" \
 arch=$(python3 -c 'import registry._ext as e; print(e.cuda_device_arch(0))')
 echo "ext: cuda $(python3 -c 'import registry._ext as e; print(e.built_with_cuda())') $arch"
 python3 -m build_tools compile --target cuda --arch "$arch"
+python3 -m build_tools compile --target cpu
+# The suite's native_artifacts fixture reuses these (checked fresh by content) rather than every
+# pytest-xdist worker compiling every kernel again.
+export MLX_AOT_TEST_ARTIFACTS="$PWD/registry/_artifacts"
 case "${1:-}" in
   --build-only) exit 0 ;;
   --all)
