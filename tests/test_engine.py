@@ -156,7 +156,11 @@ def test_engine_uses_the_native_kernel_where_selected(native_artifacts):
     assert len(shapes) == 2 * (2 + 2)
     # q as the attention holds it, [B, H, L, D]: the kernel reads it in place (strided)
     assert shapes[0] == (1, 4, 5, 16) and shapes[2] == (1, 4, 2, 16) and shapes[-1] == (2, 4, 1, 16)
-    assert launches == len(shapes)                    # each one launch of the native kernel
+    # each one launch of the native kernel, plus decode_attention's where it is selected (CUDA):
+    # one per direct layer of each batched decode step
+    assert launches == len(shapes) + engine.calls["decode_attention"]
+    if backend_of(None) == "cuda":
+        assert engine.calls["decode_attention"] == 2 * 2
 
 
 def test_rejected_rope_runs_the_module_rope():

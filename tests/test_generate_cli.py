@@ -176,6 +176,9 @@ def test_same_text_as_mlx_lm_generate(native_artifacts, model_dir, flags, capsys
     the response only), through the fused kernel; --check agrees."""
     from registry.integrations.mlx_lm_cache import fused_model
 
+    if "--kv-bits" in flags and mx.default_device() != mx.cpu and mx.cuda.is_available():
+        pytest.skip("stock mlx-lm's quantized KV attention has no CUDA kernel in MLX 0.32.4 (quantized_matmul "
+                    "raises): there is no stock text to compare with here")
     argv = ["--model", str(model_dir), "--verbose", "False", *flags]
     want = _mlx_lm(argv, capsys, monkeypatch)
     loaded = []
@@ -242,9 +245,18 @@ def test_kv_bits_on_a_rotating_cache_is_a_clear_error(native_artifacts, capsys):
 DIVERGING = ["--model", "glm4", "--dtype", "bfloat16", "--prompt", "hello", "-m", "8"]
 
 
+def _skip_unless_it_diverges(out: str) -> None:
+    """Another device rounds another way: there this run may not diverge at all (on the H200 its
+    tokens are identical), and the divergence report has nothing to report."""
+    if "check: identical to mlx-lm's own caches" in out and mx.default_device() != mx.cpu:
+        pytest.skip(f"the bf16 run's tokens are identical to stock's on {mx.default_device()}: the divergence "
+                    f"report is exercised on the CPU")
+
+
 def test_check_reports_a_bf16_divergence_within_tolerance(native_artifacts, capsys):
     assert cli.main([*DIVERGING, "--check"]) == 0
     out = capsys.readouterr().out
+    _skip_unless_it_diverges(out)
     m = re.search(r"check: first difference at generated token (\d+): mlx-lm's own caches (\d+), drop-in (\d+)", out)
     assert m and m.group(2) != m.group(3), out
     gap = re.search(r"max \|logit difference\| ([\d.e-]+) = ([\d.]+) x max \|logit\| \(([\d.e-]+)\); "
@@ -257,8 +269,10 @@ def test_check_fails_outside_the_tolerance(native_artifacts, capsys, monkeypatch
     from registry.integrations import tolerance
 
     monkeypatch.setattr(tolerance, "HALF_LOGIT_TOL", 1e-6)
-    assert cli.main([*DIVERGING, "--check"]) == 1
+    rc = cli.main([*DIVERGING, "--check"])
     captured = capsys.readouterr()
+    _skip_unless_it_diverges(captured.out)
+    assert rc == 1
     assert "check: first difference at generated token" in captured.out
     assert "check: FAILED: the gap is above the documented bfloat16 tolerance (1e-06 x max |logit|" in captured.err
     assert "Traceback" not in captured.err

@@ -956,11 +956,15 @@ def test_batch_generate_returns_prompt_caches_as_snapshots(native_artifacts):
     want = gen.batch_generate(model, tokenizer, prompts, **kw)
     got = gen.batch_generate(model, tokenizer, prompts, prompt_caches=[make_prompt_cache(model) for _ in prompts],
                              **kw)
+    # The CPU computes both the same to 1e-4. Elsewhere float32 matmuls may run in TF32 (CUDA), and the
+    # drop-in's one q/k/v projection sums in another order than stock's three: the cached keys and
+    # values then differ by up to ~3e-3 (measured on the H200), as in assert_same_up_to_noise.
+    atol = 1e-4 if mx.default_device() == mx.cpu else 1e-2
     for g, w in zip(got.caches, want.caches):
         for gc, wc in zip(g, w):
             assert type(gc).__name__ == type(wc).__name__ and gc.kernel is not None and gc.offset == wc.offset
             for a, b in zip(_numpy(gc.state), _numpy(wc.state)):
-                np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+                np.testing.assert_allclose(a, b, atol=atol, rtol=0)
     assert run(model, got.caches[0], [9], 4)[0] == run(model, want.caches[0], [9], 4)[0]
 
 
