@@ -185,6 +185,10 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
 @click.option("--rounds", type=click.IntRange(min=1), help="--e2e: interleaved timed rounds, median kept (default 3).")
 @click.option("--pool-size", type=click.IntRange(min=1),
               help="--e2e: slot-engine KV slots per layer (default: batch x (prompt + decode tokens - 1)).")
+@click.option("--prefill-step-size", type=click.IntRange(min=1),
+              help="--e2e: mlx-lm's prefill chunk (its generate_step's and BatchGenerator's prefill_step_size; default "
+                   "mlx-lm's 2048). Long batched prompts may need less: stock's masked attention holds a chunk's "
+                   "scores for every key.")
 @click.option("--smoke", is_flag=True,
               help="--e2e: a seconds-long run (tiny-llama, batch 1 and 2, prompt 16, 4 tokens, 1 round; "
                    "filters given with it win).")
@@ -197,7 +201,7 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
                    "floor (benchmarks/attention.py: --dtypes, --layers, --steps, --json, --commit apply).")
 def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
           from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
-          smoke, kernel) -> None:
+          prefill_step_size, smoke, kernel) -> None:
     """Per-layer time of RoPE + KV-pool store inside a multi-layer step, on the default device:
     the registry's fused kernel, MLX's own path, the seed's per-request loop, a trivial op, a copy.
     With --e2e: end-to-end decode tokens/s of real-size models (docs/benchmarks/README.md)."""
@@ -211,20 +215,21 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
 
 def _bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
            from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
-           smoke, kernel) -> None:
+           prefill_step_size, smoke, kernel) -> None:
     from . import report, runner
 
     ctx = click.get_current_context()
     given = lambda name: ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT
     micro_only = ("quick", "shapes", "tokens", "variants", "cases", "layers", "steps", "warmup")
-    e2e_only = ("sizes", "batches", "prompts", "decode_tokens", "modes", "rounds", "pool_size", "smoke")
+    e2e_only = ("sizes", "batches", "prompts", "decode_tokens", "modes", "rounds", "pool_size", "prefill_step_size",
+                "smoke")
     flag = lambda name: "--" + name.replace("_", "-")
     if e2e:
         bad = [flag(n) for n in micro_only + ("kernel",) if given(n)]
         if bad:
             raise click.UsageError(f"{', '.join(bad)}: not options of --e2e (they configure the per-layer benchmark)")
-        return _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, smoke, json_path,
-                    plot_path, md_path, commit, no_check, from_json)
+        return _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, prefill_step_size, smoke,
+                    json_path, plot_path, md_path, commit, no_check, from_json)
     bad = [flag(n) for n in e2e_only if given(n)]
     if bad:
         raise click.UsageError(f"{', '.join(bad)}: only with --e2e")
@@ -356,14 +361,15 @@ def _e2e_report(cells, skipped, info, command, json_path, plot_path, md_path) ->
         click.echo(f"wrote {md_path}", err=True)
 
 
-def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, smoke, json_path, plot_path,
-         md_path, commit, no_check, from_json=()) -> None:
+def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, prefill_step_size, smoke, json_path,
+         plot_path, md_path, commit, no_check, from_json=()) -> None:
     from . import report, runner
 
     if from_json:
         ctx = click.get_current_context()
         bad = [f"--{n.replace('_', '-')}" for n in ("sizes", "batches", "prompts", "decode_tokens", "modes", "rounds",
-                                                     "pool_size", "smoke", "dtypes", "commit", "no_check")
+                                                     "pool_size", "prefill_step_size", "smoke", "dtypes", "commit",
+                                                     "no_check")
                if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
         if bad:
             raise click.UsageError(f"--from-json reports existing files: {', '.join(bad)} do not apply")
@@ -418,12 +424,13 @@ def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_siz
         log(f"  [{i}/{total} {elapsed:.0f}s, ~{elapsed / i * (total - i):.0f}s left]")
 
     cells, skipped, checks = E.run(sizes, dtypes, batches, prompts, decode_tokens, modes, rounds, pool_size,
-                                     check=not no_check, progress=progress, log=log)
+                                     check=not no_check, progress=progress, log=log,
+                                     prefill_step_size=prefill_step_size)
     info["seconds"] = round(time.monotonic() - start, 1)
     if hasattr(os, "getloadavg"):
         info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     info["matrix"] = dict(sizes=sizes, dtypes=dtypes, batches=batches, prompts=prompts, decode_tokens=decode_tokens,
-                          modes=modes, rounds=rounds, pool_size=pool_size)
+                          modes=modes, rounds=rounds, pool_size=pool_size, prefill_step_size=prefill_step_size)
     info["sizes"] = {s: e2e_bench.SIZES[s].note for s in sizes}
     info["checks"] = checks if not no_check else ["skipped (--no-check)"]
     _e2e_report(cells, skipped, info, _command(), json_path, plot_path, md_path)

@@ -157,13 +157,19 @@ class Run:
     logits: list[np.ndarray] | None = None
 
 
-def _mlx_lm_single(model, prompt: list[int], n: int, cache) -> Run:
+def _prefill_kw(prefill_step_size: int | None) -> dict:
+    """mlx-lm's prefill chunk when one is asked for, else its own default."""
+    return {} if prefill_step_size is None else dict(prefill_step_size=prefill_step_size)
+
+
+def _mlx_lm_single(model, prompt: list[int], n: int, cache, prefill_step_size: int | None = None) -> Run:
     from mlx_lm.generate import generate_step
 
     toks = []
     t0 = time.perf_counter()
     t1 = t0
-    for tok, _ in generate_step(mx.array(prompt, dtype=mx.int32), model, max_tokens=n, prompt_cache=cache):
+    for tok, _ in generate_step(mx.array(prompt, dtype=mx.int32), model, max_tokens=n, prompt_cache=cache,
+                                **_prefill_kw(prefill_step_size)):
         toks.append(int(tok))
         if len(toks) == 1:
             t1 = time.perf_counter()
@@ -172,11 +178,12 @@ def _mlx_lm_single(model, prompt: list[int], n: int, cache) -> Run:
     return Run([toks], t1 - t0, t2 - t1)
 
 
-def _mlx_lm_batch(model, prompts: list[list[int]], n: int, caches) -> Run:
+def _mlx_lm_batch(model, prompts: list[list[int]], n: int, caches, prefill_step_size: int | None = None) -> Run:
     from mlx_lm.generate import BatchGenerator
 
     B = len(prompts)
-    gen = BatchGenerator(model, max_tokens=n, completion_batch_size=B, prefill_batch_size=B)
+    gen = BatchGenerator(model, max_tokens=n, completion_batch_size=B, prefill_batch_size=B,
+                         **_prefill_kw(prefill_step_size))
     try:
         uids = gen.insert(prompts, caches=caches)
         got: dict[int, list[int]] = {u: [] for u in uids}
@@ -194,11 +201,11 @@ def _mlx_lm_batch(model, prompts: list[list[int]], n: int, caches) -> Run:
     return Run([got[u] for u in uids], t1 - t0, t2 - t1)
 
 
-def run_mlx_lm(model, prompts, n, cache_factory) -> Run:
+def run_mlx_lm(model, prompts, n, cache_factory, prefill_step_size: int | None = None) -> Run:
     """mlx-lm's own loop on `cache_factory(model)` caches (one list per request)."""
     if len(prompts) == 1:
-        return _mlx_lm_single(model, prompts[0], n, cache_factory(model))
-    return _mlx_lm_batch(model, prompts, n, [cache_factory(model) for _ in prompts])
+        return _mlx_lm_single(model, prompts[0], n, cache_factory(model), prefill_step_size)
+    return _mlx_lm_batch(model, prompts, n, [cache_factory(model) for _ in prompts], prefill_step_size)
 
 
 def run_engine(engine, prompts, n) -> Run:
@@ -227,11 +234,12 @@ def as_shipped(mode: str, model):
 class Modes:
     """The modes of one model: how to run each, and why a mode cannot run."""
 
-    def __init__(self, model, modes, pool_size: int, record_logits: bool = False):
+    def __init__(self, model, modes, pool_size: int, record_logits: bool = False, prefill_step_size: int | None = None):
         from registry.integrations.mlx_lm import build_kernel_sets, make_own_cache
         from registry.integrations.slot_engine import SlotEngine
 
         self.model = model
+        self.prefill_step_size = prefill_step_size    # mlx-lm's loops only: the slot engine prefills whole
         self.skipped: dict[str, str] = {}
         self.engines = {}
         self.implementation: dict[str, str] = {}
@@ -256,7 +264,7 @@ class Modes:
         if mode in self.engines:
             return run_engine(self.engines[mode], prompts, n)
         with as_shipped(mode, self.model):
-            return run_mlx_lm(self.model, prompts, n, self.factories[mode])
+            return run_mlx_lm(self.model, prompts, n, self.factories[mode], self.prefill_step_size)
 
     def try_run(self, mode: str, prompts, n) -> Run | None:
         """run(), except that a mode mlx-lm's loop refuses (a cache that cannot batch) is skipped with
@@ -449,13 +457,15 @@ def pool_needed(batch: int, prompt: int, decode_tokens: int) -> int:
 
 
 def time_cell(size: Size, model, dtype: str, batch: int, prompt: int, decode_tokens: int, modes, rounds: int,
-              pool_size: int | None, seed: int = 0) -> tuple[list[E2ECell], dict[str, str]]:
+              pool_size: int | None, seed: int = 0, prefill_step_size: int | None = None
+              ) -> tuple[list[E2ECell], dict[str, str]]:
     """Median of `rounds` interleaved rounds per mode; (cells, {skipped mode: why})."""
     rng = np.random.default_rng(seed + 1000 * batch + prompt)
     lengths = prompt_lengths(batch, prompt)
     prompts = [rng.integers(0, size.config["vocab_size"], n).tolist() for n in lengths]
     floor = batch / (step_bytes(model, size.config, lengths, decode_tokens) / copy_bandwidth())
-    runner = Modes(model, modes, pool_size or pool_needed(batch, prompt, decode_tokens))
+    runner = Modes(model, modes, pool_size or pool_needed(batch, prompt, decode_tokens),
+                   prefill_step_size=prefill_step_size)
     warm = [p[:WARMUP_MAX_PROMPT] for p in prompts]
     for m in list(runner.modes):
         runner.try_run(m, warm, WARMUP_TOKENS)
@@ -494,8 +504,8 @@ def time_cell(size: Size, model, dtype: str, batch: int, prompt: int, decode_tok
 
 
 def run(sizes, dtypes, batches, prompts, decode_tokens: int, modes, rounds: int, pool_size: int | None = None,
-        check: bool = True, progress: Callable | None = None, log: Callable[[str], None] = lambda s: None
-        ) -> tuple[list[E2ECell], list[dict], list[str]]:
+        check: bool = True, progress: Callable | None = None, log: Callable[[str], None] = lambda s: None,
+        prefill_step_size: int | None = None) -> tuple[list[E2ECell], list[dict], list[str]]:
     """Every (size, dtype, batch, prompt) cell: (cells, skipped [{size, ..., mode, reason}], checks done)."""
     cells, skipped, checks = [], [], []
     grid = [(s, d, b, p) for s in sizes for d in dtypes for b in batches for p in prompts]
@@ -514,7 +524,8 @@ def run(sizes, dtypes, batches, prompts, decode_tokens: int, modes, rounds: int,
             for b in batches:
                 for p in prompts:
                     i += 1
-                    got, why = time_cell(size, model, d, b, p, decode_tokens, modes, rounds, pool_size)
+                    got, why = time_cell(size, model, d, b, p, decode_tokens, modes, rounds, pool_size,
+                                         prefill_step_size=prefill_step_size)
                     cells += got
                     skipped += [dict(size=s, dtype=d, batch=b, prompt=p, mode=m, reason=r) for m, r in why.items()]
                     if progress:

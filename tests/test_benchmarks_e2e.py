@@ -201,3 +201,34 @@ def test_from_json_with_wrong_values_is_a_usage_error(tmp_path, change, says):
     path.write_text(json.dumps(doc))
     out = CliRunner().invoke(bench, ["--e2e", "--from-json", str(path)])
     assert out.exit_code == 2 and f"{path}: {says}" in out.output, out.output
+
+
+def test_prompt_lengths_floor_and_prefill_step(monkeypatch):
+    """A batch's odd rows get three quarters of the nominal prompt; the floor counts the weights (less a
+    separate head's embedding table) and the K/V rows (a sliding layer's at most its window);
+    --prefill-step-size reaches mlx-lm's loops."""
+    assert e2e.prompt_lengths(1, 100) == [100] and e2e.prompt_lengths(4, 100) == [100, 75, 100, 75]
+    size = e2e.SIZES["tiny-gemma3"]
+    model = e2e.random_model(size.config, mx.bfloat16)
+    c = size.config
+    short, long_ = e2e.step_bytes(model, c, [10], 2), e2e.step_bytes(model, c, [1000], 2)
+    row = 2 * c["num_key_value_heads"] * c["head_dim"] * 2
+    sliding = sum(1 for i in range(c["num_hidden_layers"]) if (i + 1) % c["sliding_window_pattern"])
+    full = c["num_hidden_layers"] - sliding
+    assert long_ - short == row * (full * 990 + sliding * (c["sliding_window"] - 11))
+    seen = []
+    import importlib
+
+    g = importlib.import_module("mlx_lm.generate")   # mlx_lm.generate, the attribute, is the function
+
+    class Spy(g.BatchGenerator):
+        def __init__(self, *a, **kw):
+            seen.append(kw.get("prefill_step_size"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(g, "BatchGenerator", Spy)
+    from registry.integrations.mlx_lm import make_own_cache
+
+    e2e.run_mlx_lm(model, [[1, 2, 3], [4, 5]], 2, make_own_cache, prefill_step_size=2)
+    e2e.run_mlx_lm(model, [[1, 2, 3], [4, 5]], 2, make_own_cache)
+    assert seen == [2, None]
