@@ -17,7 +17,7 @@ from tests import _noise
 from registry.integrations import mlx_lm_cache as mc
 from registry.integrations.coverage import ARCHS
 from registry.integrations.tolerance import HALF_LOGIT_TOL
-from registry.integrations.mlx_lm import build_model, import_mlx_lm_module, make_prompt_cache
+from registry.integrations.mlx_lm import build_model, find_attention_layers, import_mlx_lm_module, make_prompt_cache
 
 gen = importlib.import_module("mlx_lm.generate")
 stock = import_mlx_lm_module("cache")
@@ -990,3 +990,21 @@ def test_a_snapshot_of_a_buffer_not_yet_computed_is_copied_with_advice_for_cache
     messages = [r.getMessage() for r in caplog.records if "copy-on-write" in r.getMessage()]
     assert len(messages) == 1 and "layer 0's KVCache buffer of the drop-in cache" in messages[0], messages
     assert "Rebind the returned pools" not in messages[0]
+
+
+def test_lone_cache_windowed_mask_attends_through_the_kernel(native_artifacts, monkeypatch):
+    """A lone KVCache handed an array mask with a window (mlx-lm's make_mask(window_size=...)):
+    decode_attention reads the buffer with the window as data and gives MLX's masked result."""
+    monkeypatch.setenv("MLX_AOT_DECODE_ATTENTION", "1")
+    model = fresh_model("llama")
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    c, attn = cache[0], find_attention_layers(model)[0][0]
+    mask = c.make_mask(1, return_array=False, window_size=4)
+    H, D = c.keys.shape[1], c.keys.shape[-1]
+    keys, values = c.update_and_fetch(mx.random.normal((1, H, 1, D)), mx.random.normal((1, H, 1, D)))
+    q = mx.random.normal((1, attn.n_heads, 1, D))
+    got = c.direct_attend(attn, q, mask)
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+    assert got is not None and mask.shape == (1, len(PROMPT) + 1)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=0)

@@ -411,6 +411,12 @@ class _Fused:
         """(kv_len, kv_end, window) of docs/kernel-abi.md for this cache after its update, or None."""
         return None
 
+    def _batch_ranges(self):
+        """A batch cache's (kv_len, kv_end): each row's offset, all ending at _idx."""
+        off = self.__dict__["_fused_off"]
+        return (off if off.dtype == mx.int32 else off.astype(mx.int32)), \
+            _row_ends(self._idx, off.shape[0], self._fusion.backend)
+
     def _captured(self, keys: mx.array, values: mx.array):
         """(q call, k call) when this forward's two rope calls were recorded for this cache, else
         None: then the keys already hold the original rope's output and the write is mlx-lm's."""
@@ -508,6 +514,12 @@ class _Fused:
 
 _MODEL_MODULES: dict[str, bool] = {}
 
+
+def _row_ends(end: int, B: int, backend: str) -> mx.array:
+    """int32 [B] of `end`, made on the device and memoised (every layer of a step asks for the same;
+    at batch 1 the same array as a decode step's slot, device_arange(row, 1, 1))."""
+    return device_arange(end, B, 0 if B > 1 else 1, backend)
+
 # Array masks a fused cache made, by id: (the mask, the cache class, its window_size). mlx-lm's models
 # make one mask per step from one layer's cache and pass it to every layer of that kind.
 _MASKS: dict[int, tuple] = {}
@@ -558,9 +570,7 @@ class KVCache(_Fused, _stock.KVCache):
 
     def _ranges(self, L, window):
         # an array mask on a lone cache: mlx-lm's causal mask with a window (offset = rows written)
-        n = self.__dict__["_fused_off"]
-        B = self.keys.shape[0]
-        ends = device_arange(n, B, 0, self._fusion.backend) if B > 1 else device_arange(n, 1, 1, self._fusion.backend)
+        ends = _row_ends(self.__dict__["_fused_off"], self.keys.shape[0], self._fusion.backend)
         return ends, ends, int(window or 0)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
@@ -642,11 +652,7 @@ class BatchKVCache(_Fused, _stock.BatchKVCache):
 
     def _ranges(self, L, window):
         # row b: the offset[b] tokens it holds end at _idx (left padding before them)
-        off = self.__dict__["_fused_off"]
-        B = off.shape[0]
-        end = device_arange(self._idx, B, 0, self._fusion.backend) if B > 1 else \
-            device_arange(self._idx, 1, 1, self._fusion.backend)
-        return (off if off.dtype == mx.int32 else off.astype(mx.int32)), end, int(window or 0)
+        return (*self._batch_ranges(), int(window or 0))
 
     def filter(self, batch_indices):
         """mlx-lm's, but the buffers stay pools: mlx-lm gathers the kept rows, then slices off the
@@ -727,11 +733,7 @@ class BatchRotatingKVCache(_Fused, _stock.BatchRotatingKVCache):
         # at _idx, wrapping (the kernel clamps the count to the buffer's rows)
         if L != 1 or (window is not None and window < self.max_size):
             return None
-        off = self.__dict__["_fused_off"]
-        B = off.shape[0]
-        end = device_arange(self._idx, B, 0, self._fusion.backend) if B > 1 else \
-            device_arange(self._idx, 1, 1, self._fusion.backend)
-        return (off if off.dtype == mx.int32 else off.astype(mx.int32)), end, 0
+        return (*self._batch_ranges(), 0)
 
     def extract(self, idx):
         """mlx-lm's, with the rows as buffers of their own, as BatchKVCache.extract."""
