@@ -10,6 +10,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "aot_cuda.cuh"
 
 namespace aot_attn {
@@ -56,9 +58,16 @@ __device__ __forceinline__ void merge(float& m, float& l, float* acc, float mo, 
   m = mn;
 }
 
+constexpr int MMA_ROWS = 8;    // tensor-core path: query rows per pass (the mma tile's rows 0..7)
+constexpr int MMA_DIM = 128;   // tensor-core path: the largest head_dim
+
 // Shared memory of a block, declared once per kernel (every instantiation of attend_block shares it).
 struct Shared {
-  float part[WARPS][RC][MAX_DIM + 2];    // per warp: (max, sum, output) of the pass's rows
+  union {                                      // per warp: (output, max, sum) of the pass's rows
+    float part[WARPS][RC][MAX_DIM + 2];        // the SIMT path
+    float mma_part[WARPS][MMA_ROWS][MMA_DIM + 2];   // the tensor-core path
+  };
+  uint2 q_frag[MMA_DIM / 16][32];        // tensor-core path: Q's A operands per k-step and lane
   float weight[WARPS][MAX_SPLITS];       // the split merge: each split's weight for a warp's row
   int last_block;
 };
@@ -202,13 +211,52 @@ __device__ __forceinline__ void softmax_tile(float (&s)[RC][TILE], float (&m)[RC
   }
 }
 
+// A pass's rows from every warp's partial (part: [WARPS][nrows][cap + 2], output features then max
+// and sum), merged: each row's output stored (one split) or its partial written to the workspace.
+// Called after a __syncthreads that publishes part; returns after one that frees it.
+template <typename T>
+__device__ void store_pass(T* out, float* workspace, const Shape& p, const float* part, int nrows, int cap, int b,
+                           int hk, int split, int r0) {
+  const int D = p.head_dim, L = p.seq_len, G = p.n_q_heads / p.n_kv_heads, R = G * L;
+  const int rows_here = min(nrows, R - r0);
+  for (int idx = threadIdx.x; idx < rows_here * D; idx += THREADS) {
+    const int r = idx / D, d = idx % D, row = r0 + r;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, part[(w * nrows + r) * (cap + 2) + cap]);
+    float sum = 0.f, val = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float* pw = part + (w * nrows + r) * (cap + 2);
+        const float mw = pw[cap];
+        const float f = mw == -INFINITY ? 0.f : fast_exp2(mw - mx);
+        sum += pw[cap + 1] * f;
+        val += pw[d] * f;
+      }
+    }
+    const int g = row / L, t = row % L, hq = hk * G + g;
+    if (p.n_splits == 1) {
+      const long long o = ((static_cast<long long>(b) * p.n_q_heads + hq) * L + t) * D + d;
+      out[o] = aot_cuda::Cvt<T>::store(sum > 0.f ? val / sum : 0.f);
+    } else {
+      float* w = workspace + ((static_cast<long long>(b * p.n_kv_heads + hk) * p.n_splits + split) * R + row) * (D + 2);
+      w[d] = val;
+      if (d == 0) {
+        w[D] = mx;
+        w[D + 1] = sum;
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // The end of a pass: lane groups, then warps merged; each row's output stored (one split) or its
 // partial written to the workspace.
 template <typename T, int LPK>
 __device__ void finish_pass(T* out, float* workspace, const Shape& p, Shared& sh, int b, int hk,
                                             int split, int r0, int d0, bool dims, float (&m)[RC], float (&l)[RC],
                                             float (&acc)[RC][EPL]) {
-  const int D = p.head_dim, L = p.seq_len, G = p.n_q_heads / p.n_kv_heads, R = G * L;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPK;
   // Lane groups of a warp hold the same features of different keys: merge them.
 #pragma unroll
@@ -231,37 +279,7 @@ __device__ void finish_pass(T* out, float* workspace, const Shape& p, Shared& sh
     }
   }
   __syncthreads();
-  // Warps: each thread combines features of the pass's rows.
-  const int rows_here = min(RC, R - r0);
-  for (int idx = threadIdx.x; idx < rows_here * D; idx += THREADS) {
-    const int r = idx / D, d = idx % D, row = r0 + r;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sh.part[w][r][MAX_DIM]);
-    float sum = 0.f, val = 0.f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        const float mw = sh.part[w][r][MAX_DIM];
-        const float f = mw == -INFINITY ? 0.f : fast_exp2(mw - mx);
-        sum += sh.part[w][r][MAX_DIM + 1] * f;
-        val += sh.part[w][r][d] * f;
-      }
-    }
-    const int g = row / L, t = row % L, hq = hk * G + g;
-    if (p.n_splits == 1) {
-      const long long o = ((static_cast<long long>(b) * p.n_q_heads + hq) * L + t) * D + d;
-      out[o] = aot_cuda::Cvt<T>::store(sum > 0.f ? val / sum : 0.f);
-    } else {
-      float* w = workspace + ((static_cast<long long>(b * p.n_kv_heads + hk) * p.n_splits + split) * R + row) * (D + 2);
-      w[d] = val;
-      if (d == 0) {
-        w[D] = mx;
-        w[D + 1] = sum;
-      }
-    }
-  }
-  __syncthreads();
+  store_pass<T>(out, workspace, p, &sh.part[0][0][0], RC, MAX_DIM, b, hk, split, r0);
 }
 
 // Flash-decoding (n_splits > 1): the last block of this (row, kv head) to finish combines every split.
@@ -390,12 +408,234 @@ __device__ __forceinline__ void attend_block_of(const T* q, T* out, const Rows r
   }
 }
 
-// Lanes per key (at least 8: LPK * EPL >= head_dim) as a compile-time choice.
+// ---- The tensor-core path: 2-byte types at head_dim 64 or 128 --------------------------------------
+// A warp takes chunks of KC = 16 keys; per chunk, S = Q K^T is two mma.m16n8k16 n-tiles of 8 keys
+// (Q: the tile's rows 0..7 are the pass's query rows, 8..15 zero) and O += P V is D / 8 n-tiles of 8
+// features, with P straight from S's accumulators (the layout of the next mma's A operand). With
+// g = lane / 4 and t = lane % 4 (the mma's group and thread-in-group), a thread:
+//   - holds query row g of the pass, and S for keys 2t, 2t+1 (n-tile 0) and 8+2t, 9+2t (n-tile 1);
+//   - loads K for keys g and 8+g, features [32s + 8t, 32s + 8t + 8) of each 32-feature span s: the
+//     mma's k order within a span is permuted (Mma::k_phys), Q's fragments follow the same order;
+//   - loads V for its four S keys, features [g D/8, (g+1) D/8): n-tile n's column g is feature
+//     g D/8 + n, so its output holds features [2t D/8, (2t+2) D/8) of row g.
+// The K/V rows policy (Mma) turns its registers into the mma's B operands: raw pairs for float caches,
+// dequantized pairs for quantized ones. One online softmax per query row, its max shared by the 4
+// threads of the row (so P and O use one scale), then the warps and splits merge as on the SIMT path.
+constexpr int KC = 16;
+
+// Resident blocks per SM the kernels are built for (__launch_bounds__): the tensor-core path's
+// registers (about 230 a thread: the chunk's K and V, the output's accumulators) allow 2; the SIMT
+// path alone fits 3 (168). registry/kernels/decode_attention.py's split plan counts the same.
+template <typename T>
+constexpr int blocks_per_sm() { return sizeof(T) == 2 ? 2 : 3; }
+
+// Two T values as the 32-bit pair the mma takes (lo in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t raw_pair(T lo, T hi) {
+  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&lo)) |
+         static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&hi)) << 16;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <typename T>
+__device__ __forceinline__ float2 unpack_pair(uint32_t x);
+template <>
+__device__ __forceinline__ float2 unpack_pair<__half>(uint32_t x) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&x));
+}
+template <>
+__device__ __forceinline__ float2 unpack_pair<__nv_bfloat16>(uint32_t x) {
+  return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+}
+
+// c += A B for the tile's rows 0..7 (a0: columns 2t, 2t+1 of row g; a2: 8+2t, 9+2t; rows 8..15 zero,
+// their results dropped), f32 accumulation.
+template <typename T>
+__device__ __forceinline__ void mma_rows8(float& c0, float& c1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  float d2, d3;
+  if constexpr (sizeof(T) == 2 && std::is_same_v<T, __half>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%10,%10};"
+        : "+f"(c0), "+f"(c1), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.f));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%10,%10};"
+        : "+f"(c0), "+f"(c1), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.f));
+  }
+}
+
+// One block on the tensor-core path (see above); MASKED as in attend_block. Mma, the rows policy:
+//   Mma::KT                          chunks loaded before any is used (latency);
+//   Mma::Chunk                       a thread's share of a chunk's K and V rows (registers);
+//   mma.load_k(c, nt, row, t)        K of key nt*8 + g (row: key_row's index, -1 for none: zeros);
+//   mma.load_v(c, j, row, g)         V of the thread's S key j (2t, 2t+1, 8+2t, 9+2t);
+//   Mma::k_phys(h, r, e)             the feature (within the thread's 8 of a span) of element e of
+//                                    B register r at k-step 2s + h;
+//   Mma::k_frag(c, nt, ks, b0, b1)   the B operand of S's k-step ks, n-tile nt;
+//   Mma::v_frag(c, n, b0, b1)        the B operand of O's n-tile n.
+template <typename T, int D, bool CAP, bool MASKED, typename Mma>
+__device__ __forceinline__ void attend_mma_block(const T* __restrict__ q, T* __restrict__ out, const Mma mma,
+                                                 const int32_t* __restrict__ kv_len, const int32_t* __restrict__ kv_end,
+                                                 const int32_t* __restrict__ table, float* workspace, int32_t* locks,
+                                                 const Shape& p, const aot_cuda::Strides& qs, Shared& sh) {
+  constexpr int KS = D / 16, DN = D / 8, KT = Mma::KT;
+  const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int L = p.seq_len, G = p.n_q_heads / p.n_kv_heads, R = G * L;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const Keys keys = block_keys(p, kv_len, kv_end, b, hk, split);
+  const float inv_cap = CAP ? 1.f / p.softcap : 0.f;
+  const float qscale = CAP ? p.scale : p.scale * LOG2E;   // applied to S in fp32: Q enters the mma exact
+  for (int r0 = 0; r0 < R; r0 += MMA_ROWS) {
+    const int row = r0 + g;
+    const bool real = row < R;
+    const int tq = real ? row % L : 0;
+    const int hi = real ? keys.n - L + tq : -1;          // the keys row sees: [lo, hi]
+    const int lo = p.window > 0 ? hi - p.window + 1 : 0;
+    if (warp == 0) {                                     // Q's fragments, the same for every warp
+      const long long base = static_cast<long long>(b) * qs.s[0] +
+                             static_cast<long long>(hk * G + (real ? row / L : 0)) * qs.s[1] +
+                             static_cast<long long>(tq) * qs.s[2];
+      const T zero = aot_cuda::Cvt<T>::store(0.f);
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int d = 32 * (ks / 2) + 8 * t;
+          const T e0 = real ? q[base + static_cast<long long>(d + Mma::k_phys(ks & 1, r, 0)) * qs.s[3]] : zero;
+          const T e1 = real ? q[base + static_cast<long long>(d + Mma::k_phys(ks & 1, r, 1)) * qs.s[3]] : zero;
+          (r ? sh.q_frag[ks][lane].y : sh.q_frag[ks][lane].x) = raw_pair<T>(e0, e1);
+        }
+      }
+    }
+    __syncthreads();
+    float o[DN][2], m = -INFINITY, l = 0.f;
+#pragma unroll
+    for (int n = 0; n < DN; ++n) o[n][0] = o[n][1] = 0.f;
+#pragma unroll 1
+    for (int c0 = warp * KT; keys.k_lo + c0 * KC < keys.k_hi; c0 += WARPS * KT) {
+      typename Mma::Chunk ch[KT];
+      int key[KT][4];                                    // the thread's S keys (INT_MAX: none)
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {                  // every load first: latency overlaps
+        const int cb = keys.k_lo + (c0 + kt) * KC;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) mma.load_k(ch[kt], nt, key_row(p, keys, table, b, hk, cb + nt * 8 + g), t);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int i = cb + 2 * t + (j & 1) + 8 * (j >> 1);
+          const long long kr = key_row(p, keys, table, b, hk, i);
+          mma.load_v(ch[kt], j, kr, g);
+          key[kt][j] = kr >= 0 ? i : 0x7fffffff;
+        }
+      }
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            uint32_t b0, b1;
+            Mma::k_frag(ch[kt], nt, ks, b0, b1);
+            mma_rows8<T>(s[nt][0], s[nt][1], sh.q_frag[ks][lane].x, sh.q_frag[ks][lane].y, b0, b1);
+          }
+        }
+        float mt = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float& x = s[j >> 1][j & 1];
+          x = seen_score<CAP, MASKED>(x * qscale, key[kt][j], lo, hi, p, inv_cap);
+          mt = fmaxf(mt, x);
+        }
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+        const float mn = fmaxf(m, mt);
+        const float base = mn == -INFINITY ? 0.f : mn;   // nothing seen yet: every 2^(-inf - 0) is 0
+        const float a = fast_exp2(m - base);
+        m = mn;
+        l *= a;
+#pragma unroll
+        for (int n = 0; n < DN; ++n) {
+          o[n][0] *= a;
+          o[n][1] *= a;
+        }
+        uint32_t pa[2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          pa[nt] = pack_pair<T>(fast_exp2(s[nt][0] - base), fast_exp2(s[nt][1] - base));
+          const float2 pr = unpack_pair<T>(pa[nt]);       // the sum of the weights P V uses, as rounded
+          l += pr.x + pr.y;
+        }
+#pragma unroll
+        for (int n = 0; n < DN; ++n) {
+          uint32_t b0, b1;
+          Mma::v_frag(ch[kt], n, b0, b1);
+          mma_rows8<T>(o[n][0], o[n][1], pa[0], pa[1], b0, b1);
+        }
+      }
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    float* part = sh.mma_part[warp][g];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) {
+      part[2 * t * DN + n] = o[n][0];
+      part[(2 * t + 1) * DN + n] = o[n][1];
+    }
+    if (t == 0) {
+      part[MMA_DIM] = m;
+      part[MMA_DIM + 1] = l;
+    }
+    __syncthreads();
+    store_pass<T>(out, workspace, p, &sh.mma_part[0][0][0], MMA_ROWS, MMA_DIM, b, hk, split, r0);
+  }
+  if (p.n_splits > 1) combine_splits<T>(out, workspace, locks, p, sh, b, hk);
+}
+
+template <typename T, int D, typename Mma>
+__device__ __forceinline__ void attend_mma(const T* q, T* out, const Mma mma, const int32_t* kv_len,
+                                           const int32_t* kv_end, const int32_t* table, float* workspace,
+                                           int32_t* locks, const Shape& p, const aot_cuda::Strides& qs, Shared& sh) {
+  const bool masked = p.seq_len > 1 || p.window > 0;
+  if (p.softcap > 0.f) {
+    masked ? attend_mma_block<T, D, true, true>(q, out, mma, kv_len, kv_end, table, workspace, locks, p, qs, sh)
+           : attend_mma_block<T, D, true, false>(q, out, mma, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  } else {
+    masked ? attend_mma_block<T, D, false, true>(q, out, mma, kv_len, kv_end, table, workspace, locks, p, qs, sh)
+           : attend_mma_block<T, D, false, false>(q, out, mma, kv_len, kv_end, table, workspace, locks, p, qs, sh);
+  }
+}
+
+// A kernel's attention: 2-byte types at head_dim 64 or 128 on the tensor cores (Rows::mma<D>(), the
+// rows policy of that path), everything else on the SIMT path with LPK lanes per key (at least 8:
+// LPK * EPL >= head_dim) as a compile-time choice.
 template <typename T, typename Rows>
 __device__ void attend(const T* q, T* out, const Rows rows, const int32_t* kv_len, const int32_t* kv_end,
                        const int32_t* table, float* workspace, int32_t* locks, const Shape& p,
                        const aot_cuda::Strides& qs) {
   __shared__ Shared sh;
+  if constexpr (sizeof(T) == 2) {
+    if (p.head_dim == 128) {
+      attend_mma<T, 128>(q, out, rows.template mma<128>(), kv_len, kv_end, table, workspace, locks, p, qs, sh);
+      return;
+    }
+    if (p.head_dim == 64) {
+      attend_mma<T, 64>(q, out, rows.template mma<64>(), kv_len, kv_end, table, workspace, locks, p, qs, sh);
+      return;
+    }
+  }
   if (p.head_dim <= 8 * EPL) {
     attend_block_of<T, 8>(q, out, rows, kv_len, kv_end, table, workspace, locks, p, qs, sh);
   } else if (p.head_dim <= 16 * EPL) {

@@ -59,6 +59,45 @@ __device__ __forceinline__ void unpack(const Raw<T>& r, float (&x)[EPL]) {
   }
 }
 
+// 32-bit word i of a 16-byte unit (i known at compile time once unrolled).
+__device__ __forceinline__ uint32_t word(const uint4& u, int i) { return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w; }
+
+// Float K/V rows on the tensor-core path (aot_attention.cuh, attend_mma_block): raw 16-byte units, the
+// mma's B operands taken from them as they are (K: a span's 8 features are k-steps 2s and 2s+1 in
+// order) or paired across two keys (V: one PRMT per pair).
+template <typename T, int D>
+struct FloatMma {
+  static constexpr int KT = D == 64 ? 2 : 1;            // keys in flight per warp: 16 at D = 128
+  struct Chunk {
+    uint4 k[2][D / 32];                                  // keys g, 8+g: features 32s + 8t .. +8
+    uint4 v[4][D / 64];                                  // the S keys: features g D/8 .. (g+1) D/8
+  };
+  const T* k_pool;
+  const T* v_pool;
+
+  __device__ __forceinline__ void load_k(Chunk& c, int nt, long long row, int t) const {
+#pragma unroll
+    for (int s = 0; s < D / 32; ++s)
+      c.k[nt][s] = row >= 0 ? *reinterpret_cast<const uint4*>(k_pool + row * D + 32 * s + 8 * t) : make_uint4(0, 0, 0, 0);
+  }
+  __device__ __forceinline__ void load_v(Chunk& c, int j, long long row, int g) const {
+#pragma unroll
+    for (int u = 0; u < D / 64; ++u)
+      c.v[j][u] = row >= 0 ? *reinterpret_cast<const uint4*>(v_pool + row * D + g * (D / 8) + 8 * u) : make_uint4(0, 0, 0, 0);
+  }
+  __device__ static constexpr int k_phys(int h, int r, int e) { return 4 * h + 2 * r + e; }
+  __device__ static __forceinline__ void k_frag(const Chunk& c, int nt, int ks, uint32_t& b0, uint32_t& b1) {
+    b0 = word(c.k[nt][ks / 2], 2 * (ks & 1));
+    b1 = word(c.k[nt][ks / 2], 2 * (ks & 1) + 1);
+  }
+  __device__ static __forceinline__ void v_frag(const Chunk& c, int n, uint32_t& b0, uint32_t& b1) {
+    const int u = n / 8, w = (n % 8) / 2;
+    const uint32_t sel = n & 1 ? 0x7632u : 0x5410u;      // the high or low halves of two words
+    b0 = __byte_perm(word(c.v[0][u], w), word(c.v[1][u], w), sel);
+    b1 = __byte_perm(word(c.v[2][u], w), word(c.v[3][u], w), sel);
+  }
+};
+
 // Float K/V rows: a lane's EPL elements of a key and a value row as raw 16-byte units.
 template <typename T>
 struct FloatRows {
@@ -85,13 +124,15 @@ struct FloatRows {
     return d;
   }
   __device__ static __forceinline__ void values(const Lane& vl, float (&vf)[EPL]) { unpack<T>(vl.r, vf); }
+  template <int DD>
+  __device__ __forceinline__ FloatMma<T, DD> mma() const { return {k_pool, v_pool}; }
 };
 
 }  // namespace
 
 // Scalars the wrapper validates; an inconsistent set launches nothing rather than reading out of bounds.
 #define DA_ENTRY(NAME, T)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(THREADS, 3) NAME(                                             \
+  extern "C" __global__ void __launch_bounds__(THREADS, blocks_per_sm<T>()) NAME(                                             \
       const T* q, T* out, const T* k_pool, const T* v_pool, const int32_t* kv_len, const int32_t* kv_end,  \
       const int32_t* table, float* workspace, int32_t* locks, int batch, int seq_len, int n_q_heads,       \
       int n_kv_heads, int head_dim, int pool_layout, int pool_rows, int table_cols, int window,             \

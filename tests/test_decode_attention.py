@@ -13,7 +13,7 @@ from registry import KernelRegistry
 from registry.core import backend_of
 from registry.errors import KernelArgumentError
 from registry.kernels.decode_attention import (DecodeAttentionKernel, decode_attention, decode_attention_reference,
-                                               split_plan)
+                                               split_plan, cuda_slots)
 
 SPEC = KernelRegistry.from_yaml().manifest.kernel("decode_attention")
 TOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
@@ -90,10 +90,13 @@ CASES = [  # B, Hq, Hkv, L, D, S, window, softcap
     (2, 16, 2, 8, 96, 50, 7, 0.0),         # L = 8, sliding window
     (2, 4, 2, 2, 256, 30, 0, 30.0),        # head_dim 256, soft-capping
     (1, 12, 4, 1, 80, 9, 3, 0.0),          # head_dim 80 (lanes per key not a power of two's multiple)
+    (2, 16, 4, 4, 128, 45, 5, 0.0),        # 16 query rows a kv head: two passes of the tensor-core path
+    (2, 8, 2, 2, 64, 30, 0, 20.0),         # head_dim 64 (tensor cores for 2-byte types), soft-capping
 ]
+DTYPES = pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=lambda d: str(d).split(".")[-1])
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=lambda d: str(d).split(".")[-1])
+@DTYPES
 @pytest.mark.parametrize("B,Hq,Hkv,L,D,S,window,softcap", CASES)
 def test_head_major_matches_oracle_and_reference(native_artifacts, dtype, B, Hq, Hkv, L, D, S, window, softcap):
     q, kp, vp, kv_len, kv_end = head_major_case(B, Hq, Hkv, L, D, S, dtype, strided_q=B > 1)
@@ -105,36 +108,39 @@ def test_head_major_matches_oracle_and_reference(native_artifacts, dtype, B, Hq,
               want, dtype)
 
 
-def test_ring_order(native_artifacts):
+@DTYPES
+def test_ring_order(native_artifacts, dtype):
     """A rotating cache: the newest row at kv_end - 1, the valid rows wrapping around the buffer."""
-    q, kp, vp, _, _ = head_major_case(3, 8, 2, 1, 64, 24, mx.float32)
+    q, kp, vp, _, _ = head_major_case(3, 8, 2, 1, 64, 24, dtype)
     kv_len, kv_end = mx.array([24, 20, 5], dtype=mx.int32), mx.array([7, 3, 24], dtype=mx.int32)
     want = oracle(q, kp, vp, kv_len, kv_end, None, 0.125)
-    check(native_kernel()(q, kp, vp, kv_len, kv_end, scale=0.125), want, mx.float32)
+    check(native_kernel()(q, kp, vp, kv_len, kv_end, scale=0.125), want, dtype)
 
 
+@DTYPES
 @pytest.mark.parametrize("L", [1, 4])
-def test_slot_major_table(native_artifacts, L):
+def test_slot_major_table(native_artifacts, L, dtype):
     rng = np.random.default_rng(3)
     B, Hq, Hkv, D, P, M = 3, 8, 2, 64, 64, 20
-    q, kp, vp = arr(rng, (B, Hq, L, D), mx.float32), arr(rng, (P, Hkv, D), mx.float32), arr(rng, (P, Hkv, D), mx.float32)
+    q, kp, vp = arr(rng, (B, Hq, L, D), dtype), arr(rng, (P, Hkv, D), dtype), arr(rng, (P, Hkv, D), dtype)
     table = rng.permutation(P)[:B * M].reshape(B, M).astype(np.int32)
     table[1, 15:] = -1                       # past row 1's length: padding, never read
     kv_len = mx.array([20, 15, L], dtype=mx.int32)
     want = oracle(q, kp, vp, kv_len, kv_len, table, 0.2)
-    check(native_kernel()(q, kp, vp, kv_len, None, mx.array(table), scale=0.2), want, mx.float32)
+    check(native_kernel()(q, kp, vp, kv_len, None, mx.array(table), scale=0.2), want, dtype)
 
 
+@DTYPES
 @pytest.mark.parametrize("S,B", [(3000, 1), (1100, 2)])
-def test_long_rows_split(native_artifacts, S, B):
+def test_long_rows_split(native_artifacts, S, B, dtype):
     """Rows long enough that CUDA splits them across blocks (flash-decoding); one split elsewhere."""
-    q, kp, vp, kv_len, kv_end = head_major_case(B, 8, 2, 1, 128, S, mx.float32, seed=5, lens=[S - 7, S // 2][:B])
+    q, kp, vp, kv_len, kv_end = head_major_case(B, 8, 2, 1, 128, S, dtype, seed=5, lens=[S - 7, S // 2][:B])
     backend = backend_of(None)
-    assert split_plan(S, B, 2, backend)[0] > 1 or backend != "cuda"
+    assert split_plan(S, B, 2, backend, cuda_slots(dtype))[0] > 1 or backend != "cuda"
     want = oracle(q, kp, vp, kv_len, kv_end, None, 0.088)
     kernel = native_kernel()
     for _ in range(2):                       # the locks are back to zero after a launch: a second agrees
-        check(kernel(q, kp, vp, kv_len, kv_end, scale=0.088), want, mx.float32)
+        check(kernel(q, kp, vp, kv_len, kv_end, scale=0.088), want, dtype)
 
 
 def test_empty_rows_give_zero(native_artifacts):
@@ -179,7 +185,8 @@ def test_argument_errors(native_artifacts):
 
 
 def test_split_plan():
-    """Whole waves of 396 resident blocks (3 per SM x 132 SMs), the fewest splits within 3% of the best."""
+    """Whole waves of the resident blocks (float32: 3 per SM x 132 SMs), the fewest splits within 3% of the
+    best."""
     assert split_plan(200, 1, 8, "cuda") == (1, 200)
     for rows, batch in ((16640, 1), (16640, 4), (16640, 8), (16640, 32), (33024, 4), (2304, 32)):
         n, length = split_plan(rows, batch, 8, "cuda")
@@ -188,6 +195,9 @@ def test_split_plan():
         assert blocks / (-(-blocks // 396) * 396) > 0.9, (rows, batch, n)
     assert split_plan(16640, 1, 8, "cuda")[0] == 48 and split_plan(16640, 32, 8, "cuda")[0] == 3
     assert split_plan(32768, 1, 8, "cpu") == (1, 32768)
+    # 2-byte types: 2 blocks per SM (264 slots): one row of 8 kv heads fills a wave with 33 splits
+    assert cuda_slots(mx.bfloat16) == 264 and cuda_slots(mx.float32) == 396
+    assert split_plan(16640, 1, 8, "cuda", cuda_slots(mx.float16))[0] == 33
 
 
 @pytest.mark.parametrize("extra,head_dim,want", [

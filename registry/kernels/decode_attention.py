@@ -29,22 +29,29 @@ KERNEL_NAME = "decode_attention"
 MAX_QUERY = 8                 # query tokens per sequence (decode, speculative verification)
 MAX_HEAD_DIM = 256
 CUDA_THREADS = 128            # cuda_src/decode_attention.cu THREADS
-CUDA_SLOTS = 396              # resident blocks: 3 per SM (the kernel's registers) x 132 SMs (H100/H200 SXM)
+CUDA_SMS = 132                # H100/H200 SXM
 MAX_SPLITS = 128              # cuda_src/decode_attention.cu MAX_SPLITS
 MIN_SPLIT = 256               # keys per split at least (a split's fixed cost: its partials and merge)
 HEAD_MAJOR, SLOT_MAJOR = 1, 0
 
 
-def split_plan(rows: int, batch: int, n_kv_heads: int, backend: str) -> tuple[int, int]:
+def cuda_slots(dtype) -> int:
+    """Resident blocks of the CUDA kernels for activations of `dtype`: blocks per SM as built
+    (cuda_src/aot_attention.cuh blocks_per_sm: 2 for 2-byte types, whose tensor-core path needs the
+    registers, 3 for float32) x CUDA_SMS."""
+    return CUDA_SMS * (2 if dtype.size == 2 else 3)
+
+
+def split_plan(rows: int, batch: int, n_kv_heads: int, backend: str, slots: int = CUDA_SMS * 3) -> tuple[int, int]:
     """(n_splits, split_len) for a row capacity of `rows` keys: the blocks (batch x kv heads x splits)
-    fill whole waves of CUDA_SLOTS resident blocks as nearly as possible (a ragged last wave idles the
-    rest of the GPU), with the fewest splits within 3% of the best fill, each split at least MIN_SPLIT
-    keys. One split off CUDA (the CPU and Metal entries run each row whole). The one source of the
-    split: the kernel checks n_splits * split_len >= rows."""
+    fill whole waves of `slots` resident blocks (cuda_slots) as nearly as possible (a ragged last wave
+    idles the rest of the GPU), with the fewest splits within 3% of the best fill, each split at least
+    MIN_SPLIT keys. One split off CUDA (the CPU and Metal entries run each row whole). The one source
+    of the split: the kernel checks n_splits * split_len >= rows."""
     if backend != "cuda" or rows <= MIN_SPLIT:
         return 1, max(rows, 1)
     base = max(batch * n_kv_heads, 1)
-    fill = {s: base * s / (-(-base * s // CUDA_SLOTS) * CUDA_SLOTS)
+    fill = {s: base * s / (-(-base * s // slots) * slots)
             for s in range(1, min(MAX_SPLITS, -(-rows // MIN_SPLIT)) + 1)}
     best = max(fill.values())
     splits = min(s for s, f in fill.items() if f >= best - 0.03)
@@ -230,7 +237,7 @@ class DecodeAttentionKernel(PoolKernel):
         head_major = k_pool.ndim == 4
         Hkv = k_pool.shape[1]
         rows = k_pool.shape[2] if head_major else table.shape[1]
-        splits, split_len = split_plan(rows, B, Hkv, self.backend)
+        splits, split_len = split_plan(rows, B, Hkv, self.backend, cuda_slots(q.dtype))
         scalars = dict(batch=B, seq_len=L, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D,
                        pool_layout=HEAD_MAJOR if head_major else SLOT_MAJOR,
                        pool_rows=k_pool.shape[2] if head_major else k_pool.shape[0],
@@ -249,7 +256,7 @@ class DecodeAttentionKernel(PoolKernel):
         B, Hq, L, D = q.shape
         Hkv = k_pool.shape[1]
         rows = k_pool.shape[2] if k_pool.ndim == 4 else table.shape[1]
-        splits, _ = split_plan(rows, B, Hkv, self.backend)
+        splits, _ = split_plan(rows, B, Hkv, self.backend, cuda_slots(q.dtype))
         return (B * Hq * L * splits * (D + 2) if splits > 1 else 1), B * Hkv
 
     # -- calls
