@@ -115,7 +115,7 @@ def test_ratios_pair_the_rounds_and_drop_in_targets():
                     decode_s=[0.9, 1.8, 1.8, 1.8, 0.9])     # faster in every round
     for c in (stock, fused):
         c.decode_tokens_per_s = 63 / sorted(c.decode_s)[2]
-    g = report._e2e_groups([stock, fused])[("llama-8b", "bfloat16", 1, 128)]
+    g = report._e2e_groups([stock, fused])[("llama-8b", "bfloat16", 1, 128, None)]
     assert stock.decode_tokens_per_s / fused.decode_tokens_per_s == 0.9     # medians: 2.0 vs 1.8 s
     assert report._ratio(g, "mlx_lm_fused_cache", "mlx_lm") == pytest.approx(1 / 0.9)   # every round 1/0.9
     assert "1.11 [1.11-1.11]" in report.e2e_markdown([stock, fused], [], {}, "cmd")
