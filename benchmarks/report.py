@@ -452,7 +452,7 @@ _ITEM = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 def kv_ideal(bits: int, group_size: int, dtype: str) -> float:
     """The quantized format's bytes over the float cache's: bits / 8 bytes of words per feature, a scale
-    and a bias of the dtype per group, over the dtype's item size (bf16, 8-bit, group 64: 0.5625)."""
+    and a bias of the dtype per group, over the dtype's item size (bf16, 8-bit: 0.5625 at group 32, 0.53125 at 64)."""
     item = _ITEM[dtype]
     return (bits / 8 + 2 * item / group_size) / item
 
