@@ -574,7 +574,9 @@ def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
     modes = _e2e_modes(cells) or [m for m in E2E_MODE_ORDER if m in {s["mode"] for s in skipped}]
     groups = _e2e_groups(cells)
     gone = {(*_skipped_key(s), s["mode"]) for s in skipped}
-    keys = list(groups) + [k for k in dict.fromkeys(map(_skipped_key, skipped)) if k not in groups]
+    keys = list(dict.fromkeys([*groups, *map(_skipped_key, skipped)]))
+    first = {k[:2]: i for i, k in reversed(list(enumerate(keys)))}      # sizes and dtypes in run order
+    keys.sort(key=lambda k: (first[k[:2]], k[2], k[3], k[4] is not None, -(k[4] or 0)))
     bits = sorted({k[4] for k in keys if k[4] is not None})
     group_sizes = sorted({c.kv_group_size for c in cells if c.kv_bits is not None}
                          | {s["kv_group_size"] for s in skipped if s.get("kv_bits") is not None})
@@ -692,6 +694,9 @@ def e2e_figure(cells, title: str):
         if m == "mlx_lm_fused_cache":        # the headline: its ratios written on the bars
             for x, y in zip(xs, ys):
                 ax.text(x, y / 2, f"{y:.2f}", ha="center", va="center", rotation=90, fontsize=7, color="white")
+    for i, (_, g) in enumerate(groups):     # a cell without the base (stock skipped: the markdown says why)
+        if base not in g:
+            ax.text(i, 0.05, f"no {base}", ha="center", va="bottom", rotation=90, fontsize=7)
     ax.axhline(1.0, color="k", lw=1.2, label=f"{_MODE_LABELS.get(base, base)} (1.0)")
     ax.set_xticks(range(len(groups)), labels, fontsize=8)
     ax.set_ylim(0, top * 1.12)
