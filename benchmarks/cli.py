@@ -48,6 +48,18 @@ def _ints(flag: str):
     return parse
 
 
+def _kv_bits(ctx, param, value):
+    """--kv-bits: a comma list of none, 8, 4 -> [None, 8, 4]."""
+    if value is None:
+        return None
+    items = [v.strip().lower() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in ("none", "8", "4")]
+    if not items or bad:
+        raise click.BadParameter(f"{value!r}: expected a comma list of none, 8, 4 (the float cache, mlx-lm's 8-bit "
+                                 f"and 4-bit quantized caches)")
+    return list(dict.fromkeys(None if v == "none" else int(v) for v in items))
+
+
 def _output(ctx, param, value: Path | None) -> Path | None:
     """An output file the run will be able to write, checked before anything is measured: its
     directory is made (as the write would make it) and a file is created and removed there."""
@@ -189,6 +201,13 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
               help="--e2e: mlx-lm's prefill chunk (its generate_step's and BatchGenerator's prefill_step_size; default "
                    "mlx-lm's 2048). Long batched prompts may need less: stock's masked attention holds a chunk's "
                    "scores for every key.")
+@click.option("--kv-bits", "kv_bits", callback=_kv_bits,
+              help="--e2e: comma list of the caches to run mlx-lm's modes on: none (the float cache), 8, 4 (mlx-lm's "
+                   "quantized cache: stock through generate_step(kv_bits=...), the drop-in through make_prompt_cache("
+                   "kv_bits=...)); default none. With 8 or 4 the default --modes is mlx_lm,mlx_lm_fused_cache (the "
+                   "slot engine has float pools only).")
+@click.option("--kv-group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
+              help="--e2e: the quantized caches' group size (features per scale and bias).")
 @click.option("--smoke", is_flag=True,
               help="--e2e: a seconds-long run (tiny-llama, batch 1 and 2, prompt 16, 4 tokens, 1 round; "
                    "filters given with it win).")
@@ -201,7 +220,7 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
                    "floor (benchmarks/attention.py: --dtypes, --layers, --steps, --json, --commit apply).")
 def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
           from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
-          prefill_step_size, smoke, kernel) -> None:
+          prefill_step_size, kv_bits, kv_group_size, smoke, kernel) -> None:
     """Per-layer time of RoPE + KV-pool store inside a multi-layer step, on the default device:
     the registry's fused kernel, MLX's own path, the seed's per-request loop, a trivial op, a copy.
     With --e2e: end-to-end decode tokens/s of real-size models (docs/benchmarks/README.md)."""
@@ -215,21 +234,22 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
 
 def _bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
            from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
-           prefill_step_size, smoke, kernel) -> None:
+           prefill_step_size, kv_bits, kv_group_size, smoke, kernel) -> None:
     from . import report, runner
 
     ctx = click.get_current_context()
     given = lambda name: ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT
     micro_only = ("quick", "shapes", "tokens", "variants", "cases", "layers", "steps", "warmup")
     e2e_only = ("sizes", "batches", "prompts", "decode_tokens", "modes", "rounds", "pool_size", "prefill_step_size",
-                "smoke")
+                "kv_bits", "kv_group_size", "smoke")
     flag = lambda name: "--" + name.replace("_", "-")
     if e2e:
         bad = [flag(n) for n in micro_only + ("kernel",) if given(n)]
         if bad:
             raise click.UsageError(f"{', '.join(bad)}: not options of --e2e (they configure the per-layer benchmark)")
         return _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, prefill_step_size, smoke,
-                    json_path, plot_path, md_path, commit, no_check, from_json)
+                    json_path, plot_path, md_path, commit, no_check, from_json, kv_bits=kv_bits,
+                    kv_group_size=int(kv_group_size))
     bad = [flag(n) for n in e2e_only if given(n)]
     if bad:
         raise click.UsageError(f"{', '.join(bad)}: only with --e2e")
@@ -318,7 +338,7 @@ def _e2e_merge(paths):
         except ValueError as err:
             raise click.UsageError(str(err)) from None
         for c in file_cells:
-            key = (c.size, c.dtype, c.batch, c.prompt, c.mode)
+            key = (c.size, c.dtype, c.batch, c.prompt, c.mode) + (() if c.kv_bits is None else (f"{c.kv_bits}-bit",))
             if key in seen:
                 raise click.UsageError(f"{path}: cell {' '.join(map(str, key))} is also in {seen[key]}")
             seen[key] = path
@@ -340,8 +360,8 @@ def _e2e_report(cells, skipped, info, command, json_path, plot_path, md_path) ->
     from . import report
 
     click.echo(report.e2e_table(cells))
-    for (mode, why), n in Counter((s["mode"], s["reason"]) for s in skipped).items():
-        click.echo(f"skipped {mode} in {n} cell{'s' if n > 1 else ''}: {why}")
+    for (mode, bits, why), n in Counter((s["mode"], s.get("kv_bits"), s["reason"]) for s in skipped).items():
+        click.echo(f"skipped {mode}{'' if bits is None else f' {bits}-bit'} in {n} cell{'s' if n > 1 else ''}: {why}")
     click.echo("")
     for name, met, evidence in report.e2e_targets(cells, info["backend"]):
         click.echo(f"{'MET    ' if met else 'NOT MET'} {name}: {evidence}")
@@ -362,14 +382,15 @@ def _e2e_report(cells, skipped, info, command, json_path, plot_path, md_path) ->
 
 
 def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, prefill_step_size, smoke, json_path,
-         plot_path, md_path, commit, no_check, from_json=()) -> None:
+         plot_path, md_path, commit, no_check, from_json=(), kv_bits=None, kv_group_size=e2e_bench.KV_GROUP_SIZE
+         ) -> None:
     from . import report, runner
 
     if from_json:
         ctx = click.get_current_context()
         bad = [f"--{n.replace('_', '-')}" for n in ("sizes", "batches", "prompts", "decode_tokens", "modes", "rounds",
                                                      "pool_size", "prefill_step_size", "smoke", "dtypes", "commit",
-                                                     "no_check")
+                                                     "no_check", "kv_bits", "kv_group_size")
                if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
         if bad:
             raise click.UsageError(f"--from-json reports existing files: {', '.join(bad)} do not apply")
@@ -385,7 +406,15 @@ def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_siz
         prompts, decode_tokens = prompts or list(E.CPU_PROMPTS), decode_tokens or E.CPU_DECODE_TOKENS
     sizes, dtypes, batches = sizes or list(E.GPU_SIZES), dtypes or ["bfloat16", "float16"], batches or list(E.BATCHES)
     prompts, decode_tokens = prompts or list(E.PROMPTS), decode_tokens or E.DECODE_TOKENS
-    rounds, modes = rounds or E.ROUNDS, modes or list(E.MODES)
+    kv_bits = kv_bits or [None]
+    quantized = [b for b in kv_bits if b is not None]
+    if quantized and modes:
+        engine = [m for m in modes if m in E.ENGINE_MODES]
+        if engine:   # SlotEngine keeps float pools (registry/integrations/slot_engine.py): no quantized form
+            raise click.BadParameter(f"--kv-bits {','.join(map(str, quantized))}: the slot engine's modes "
+                                     f"({', '.join(engine)}) have float pools only, no quantized cache; leave them out "
+                                     f"of --modes (mlx_lm, mlx_lm_fused_cache run quantized)", param_hint="--kv-bits")
+    rounds, modes = rounds or E.ROUNDS, modes or list(E.QUANT_MODES if quantized else E.MODES)
     need = e2e_bench.pool_needed(max(batches), max(prompts), decode_tokens)
     if pool_size is not None and need > pool_size:
         raise click.BadParameter(f"{pool_size} slots cannot hold batch {max(batches)} x (prompt {max(prompts)} + "
@@ -407,7 +436,8 @@ def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_siz
             click.echo(f"# warning: {', '.join(big)} are GPU sizes; on the CPU a cell takes minutes", err=True)
     n = len(sizes) * len(dtypes) * len(batches) * len(prompts)
     click.echo(f"# {info['device']} ({info.get('gpu') or info.get('cpu') or info['platform']}), mlx {info['mlx']}, "
-               f"commit {info['commit']}; {n} cells x {len(modes)} modes, {decode_tokens} decode tokens, median of "
+               f"commit {info['commit']}; {n} cells x {len(modes)} modes x {len(kv_bits)} caches "
+               f"({', '.join('float' if b is None else f'{b}-bit' for b in kv_bits)}), {decode_tokens} decode tokens, median of "
                f"{rounds} interleaved rounds; decode tokens/s (whole batch)", err=True)
     start = time.monotonic()
     log = lambda line: click.echo(line, err=True)
@@ -417,20 +447,21 @@ def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_siz
         elapsed = time.monotonic() - start
         for c in cells:
             log(report.e2e_progress_row(c))
-        for m, why in skipped.items():
-            if (m, why) not in said:              # once per reason
-                said.add((m, why))
-                log(f"  skipped {m}: {why}")
+        for (m, bits), why in skipped.items():
+            if (m, bits, why) not in said:        # once per reason
+                said.add((m, bits, why))
+                log(f"  skipped {m}{'' if bits is None else f' {bits}-bit'}: {why}")
         log(f"  [{i}/{total} {elapsed:.0f}s, ~{elapsed / i * (total - i):.0f}s left]")
 
     cells, skipped, checks = E.run(sizes, dtypes, batches, prompts, decode_tokens, modes, rounds, pool_size,
                                      check=not no_check, progress=progress, log=log,
-                                     prefill_step_size=prefill_step_size)
+                                     prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
     info["seconds"] = round(time.monotonic() - start, 1)
     if hasattr(os, "getloadavg"):
         info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     info["matrix"] = dict(sizes=sizes, dtypes=dtypes, batches=batches, prompts=prompts, decode_tokens=decode_tokens,
-                          modes=modes, rounds=rounds, pool_size=pool_size, prefill_step_size=prefill_step_size)
+                          modes=modes, rounds=rounds, pool_size=pool_size, prefill_step_size=prefill_step_size,
+                          kv_bits=kv_bits, kv_group_size=kv_group_size if quantized else None)
     info["sizes"] = {s: e2e_bench.SIZES[s].note for s in sizes}
     info["checks"] = checks if not no_check else ["skipped (--no-check)"]
     _e2e_report(cells, skipped, info, _command(), json_path, plot_path, md_path)

@@ -23,6 +23,22 @@ What each mode runs (mlx-lm 0.32.2's own loops, not a copy of them):
   - module / reference / fused: `SlotEngine(model, mode=...)`, every request admitted at once;
   - mlx_lm_fused_cache: the same mlx-lm loops on `registry.integrations.mlx_lm.make_prompt_cache`
     (skipped, with the reason, where that is not importable or cannot batch).
+
+With kv_bits (`--kv-bits 8,4`), each of mlx-lm's modes runs again on a quantized cache, every variant
+in the same rounds as the float ones: mlx_lm through generate_step(kv_bits=, kv_group_size=,
+quantized_kv_start=0) (mlx-lm's own QuantizedKVCache from the first decode step; its prompt is
+prefilled on the float cache, which it then converts), mlx_lm_fused_cache on make_prompt_cache(model,
+kv_bits=, kv_group_size=) (quantized from the first token). A variant that cannot run (mlx-lm's
+BatchGenerator batches no quantized cache; its RotatingKVCache cannot quantize; a kernel MLX lacks)
+is skipped with the reason. The slot engine has float pools only.
+
+Every cell records its KV memory: `kv_peak_bytes`, the peak of MLX's active memory over the run
+less the memory active when it started (the weights, and anything alive between runs: another engine
+mode's pools; an engine mode's own pools are counted), so the cache's buffers plus the run's
+transient arrays (activations, logits, prefill's attention scores); `kv_decode_peak_bytes`, the same
+from the first generated token on (prefill's transients left out); `kv_cache_bytes`, the nbytes of
+the cache's buffers at the end of the decode (a batch: before its last step, after which
+BatchGenerator drops them).
 """
 
 from __future__ import annotations
@@ -43,6 +59,9 @@ from .cases import BenchmarkError
 
 MODES = ("mlx_lm", "module", "reference", "fused", "mlx_lm_fused_cache")
 ENGINE_MODES = ("module", "reference", "fused")
+QUANT_MODES = ("mlx_lm", "mlx_lm_fused_cache")    # the modes with a quantized cache (SlotEngine: float pools only)
+KV_BITS = (None, 8, 4)                           # None: the float cache
+KV_GROUP_SIZES, KV_GROUP_SIZE = (32, 64, 128), 64
 DTYPES = ("bfloat16", "float16", "float32")
 BATCHES, PROMPTS, DECODE_TOKENS, ROUNDS = (1, 8, 32), (128, 2048), 64, 3
 # The CPU's defaults: a 2-core machine prefills a 2048-token prompt of even the tiny sizes in tens of
@@ -155,6 +174,31 @@ class Run:
     prefill_s: float
     decode_s: float
     logits: list[np.ndarray] | None = None
+    kv_peak_bytes: int | None = None          # the module docstring's KV memory
+    kv_decode_peak_bytes: int | None = None
+    kv_cache_bytes: int | None = None
+
+
+class _Memory:
+    """A run's KV memory (the module docstring): `start` before the first model call, `first_token`
+    when prefill is done, `end` once the last step has run. `own`: bytes of the mode that were alive
+    before the run and are its KV (an engine's pools)."""
+
+    def __init__(self, own: int = 0):
+        self.base = mx.get_active_memory() - own
+        self.prefill_peak = 0
+        mx.reset_peak_memory()
+
+    def first_token(self) -> None:
+        self.prefill_peak = mx.get_peak_memory()
+        mx.reset_peak_memory()
+
+    def end(self, run: Run, cache_bytes: int | None) -> Run:
+        decode = mx.get_peak_memory()
+        run.kv_peak_bytes = max(self.prefill_peak, decode) - self.base
+        run.kv_decode_peak_bytes = decode - self.base
+        run.kv_cache_bytes = cache_bytes
+        return run
 
 
 def _prefill_kw(prefill_step_size: int | None) -> dict:
@@ -162,20 +206,29 @@ def _prefill_kw(prefill_step_size: int | None) -> dict:
     return {} if prefill_step_size is None else dict(prefill_step_size=prefill_step_size)
 
 
-def _mlx_lm_single(model, prompt: list[int], n: int, cache, prefill_step_size: int | None = None) -> Run:
+def _cache_bytes(cache: list) -> int:
+    return sum(c.nbytes for c in cache)
+
+
+def _mlx_lm_single(model, prompt: list[int], n: int, cache, prefill_step_size: int | None = None,
+                   quantize: dict | None = None) -> Run:
+    """generate_step on `cache`; quantize: its kv_bits, kv_group_size, quantized_kv_start (mlx-lm
+    converts the cache list in place, so `cache` holds the quantized caches after)."""
     from mlx_lm.generate import generate_step
 
     toks = []
+    mem = _Memory()
     t0 = time.perf_counter()
     t1 = t0
     for tok, _ in generate_step(mx.array(prompt, dtype=mx.int32), model, max_tokens=n, prompt_cache=cache,
-                                **_prefill_kw(prefill_step_size)):
+                                **_prefill_kw(prefill_step_size), **(quantize or {})):
         toks.append(int(tok))
         if len(toks) == 1:
             t1 = time.perf_counter()
+            mem.first_token()
     t2 = time.perf_counter()
     sync()                         # generate_step queues one step past the last token it yields
-    return Run([toks], t1 - t0, t2 - t1)
+    return mem.end(Run([toks], t1 - t0, t2 - t1), _cache_bytes(cache))
 
 
 def _mlx_lm_batch(model, prompts: list[list[int]], n: int, caches, prefill_step_size: int | None = None) -> Run:
@@ -187,6 +240,8 @@ def _mlx_lm_batch(model, prompts: list[list[int]], n: int, caches, prefill_step_
     try:
         uids = gen.insert(prompts, caches=caches)
         got: dict[int, list[int]] = {u: [] for u in uids}
+        mem = _Memory()
+        cache_bytes = None
         t0 = time.perf_counter()
         t1 = None
         while responses := gen.next_generated():
@@ -194,55 +249,115 @@ def _mlx_lm_batch(model, prompts: list[list[int]], n: int, caches, prefill_step_
                 got[r.uid].append(r.token)
             if t1 is None:
                 t1 = time.perf_counter()
+                mem.first_token()
+            if cache_bytes is None and min(map(len, got.values())) >= n - 1:   # the last step drops the batch
+                cache_bytes = gen.prompt_cache_nbytes
         t2 = time.perf_counter()
     finally:
         gen.close()
     sync()
-    return Run([got[u] for u in uids], t1 - t0, t2 - t1)
+    return mem.end(Run([got[u] for u in uids], t1 - t0, t2 - t1), cache_bytes)
 
 
-def run_mlx_lm(model, prompts, n, cache_factory, prefill_step_size: int | None = None) -> Run:
-    """mlx-lm's own loop on `cache_factory(model)` caches (one list per request)."""
+def run_mlx_lm(model, prompts, n, cache_factory, prefill_step_size: int | None = None,
+               quantize: dict | None = None) -> Run:
+    """mlx-lm's own loop on `cache_factory(model)` caches (one list per request); quantize: stock's
+    generate_step(kv_bits=...) arguments (batch 1 only: BatchGenerator takes none)."""
     if len(prompts) == 1:
-        return _mlx_lm_single(model, prompts[0], n, cache_factory(model), prefill_step_size)
+        return _mlx_lm_single(model, prompts[0], n, cache_factory(model), prefill_step_size, quantize)
+    if quantize:
+        raise NotImplementedError("mlx-lm's BatchGenerator takes no kv_bits")
     return _mlx_lm_batch(model, prompts, n, [cache_factory(model) for _ in prompts], prefill_step_size)
+
+
+def _pool_bytes(engine) -> int:
+    return sum(a.nbytes for p in engine.pools.values() for a in (p.k_pool, p.v_pool) if a is not None)
 
 
 def run_engine(engine, prompts, n) -> Run:
     """Every request admitted at once: the first step prefills them all and reads their first tokens."""
     rids = [engine.add_request(p, n) for p in prompts]
+    mem = _Memory(own=_pool_bytes(engine))
     t0 = time.perf_counter()
     engine.step()
     t1 = time.perf_counter()
+    mem.first_token()
     while engine.waiting or engine.running:     # the step that queues the last forward reads everything
         engine.step()
     t2 = time.perf_counter()
     reqs = [engine.requests.pop(rid) for rid in rids]
     logits = [np.stack(r.logits) for r in reqs] if engine.record_logits else None
-    return Run([r.generated for r in reqs], t1 - t0, t2 - t1, logits)
+    return mem.end(Run([r.generated for r in reqs], t1 - t0, t2 - t1, logits), _pool_bytes(engine))
 
 
+@contextlib.contextmanager
+def _stock_quantized_attention():
+    """mlx-lm's own quantized attention for the block: the drop-in's wrapper of it (install_attention,
+    which passes stock's keys through) taken out, so stock runs the function as shipped."""
+    from registry.integrations.mlx_lm import import_mlx_lm_module
+
+    base = import_mlx_lm_module("base")
+    current = base.quantized_scaled_dot_product_attention
+    if not getattr(current, "_mlx_aot_wrapped", False):
+        yield
+        return
+    base.quantized_scaled_dot_product_attention = current.__wrapped__
+    try:
+        yield
+    finally:
+        base.quantized_scaled_dot_product_attention = current
+
+
+@contextlib.contextmanager
 def as_shipped(mode: str, model):
     """The context a mode of mlx-lm's own loop runs in: `mlx_lm` is stock mlx-lm exactly as shipped
     (mlx_lm_cache.stock_model: what the drop-in cache installed on the model taken out for the block,
-    its rope switches and direct attention classes, then put back), the fused cache as it is."""
+    its rope switches and direct attention classes, then put back; its quantized attention too), the
+    fused cache as it is."""
     from registry.integrations.mlx_lm_cache import stock_model
 
-    return stock_model(model) if mode == "mlx_lm" else contextlib.nullcontext()
+    if mode != "mlx_lm":
+        yield model
+        return
+    with stock_model(model), _stock_quantized_attention():
+        yield model
+
+
+def stock_batch_quantize_reason() -> str | None:
+    """Why stock mlx-lm cannot decode a batch on a quantized cache, or None if its BatchGenerator
+    takes kv_bits (mlx-lm 0.32.2's does not, and its QuantizedKVCache has no merge)."""
+    import inspect
+
+    import mlx_lm
+    from mlx_lm.generate import BatchGenerator
+
+    if "kv_bits" in inspect.signature(BatchGenerator.__init__).parameters:
+        return None
+    return (f"stock mlx-lm {mlx_lm.__version__} batches no quantized cache: its BatchGenerator takes no kv_bits "
+            f"(and its QuantizedKVCache has no merge)")
+
+
+Variant = tuple  # (mode, kv_bits): kv_bits None for the float cache
 
 
 class Modes:
-    """The modes of one model: how to run each, and why a mode cannot run."""
+    """The modes of one model, each on the float cache and on each kv_bits asked for (`variants`):
+    how to run each, and why a variant cannot run (`skipped`)."""
 
-    def __init__(self, model, modes, pool_size: int, record_logits: bool = False, prefill_step_size: int | None = None):
+    def __init__(self, model, modes, pool_size: int, record_logits: bool = False, prefill_step_size: int | None = None,
+                 kv_bits=(None,), kv_group_size: int = KV_GROUP_SIZE, head_dim: int | None = None):
         from registry.integrations.mlx_lm import build_kernel_sets, make_own_cache
         from registry.integrations.slot_engine import SlotEngine
 
         self.model = model
         self.prefill_step_size = prefill_step_size    # mlx-lm's loops only: the slot engine prefills whole
-        self.skipped: dict[str, str] = {}
+        self.kv_group_size = kv_group_size
+        self.skipped: dict[Variant, str] = {}
         self.engines = {}
         self.implementation: dict[str, str] = {}
+        bad = [m for m in modes if m not in QUANT_MODES]
+        if any(b is not None for b in kv_bits) and bad:
+            raise ValueError(f"Modes: {', '.join(bad)} have no quantized cache (the slot engine's pools are float)")
         kernels = build_kernel_sets(model) if any(m in ENGINE_MODES for m in modes) else None
         for m in modes:
             if m in ENGINE_MODES:
@@ -255,27 +370,55 @@ class Modes:
         if "mlx_lm_fused_cache" in modes:
             factory, why = fused_cache_factory()
             if factory is None:
-                self.skipped["mlx_lm_fused_cache"] = why
+                self.skipped.update({("mlx_lm_fused_cache", b): why for b in kv_bits})
             else:
                 self.factories["mlx_lm_fused_cache"] = factory
-        self.modes = [m for m in modes if m not in self.skipped]
+        for b in kv_bits:
+            if b is not None and head_dim is not None and head_dim % kv_group_size:
+                self.skipped.update({(m, b): f"head_dim {head_dim} is not a multiple of --kv-group-size "
+                                             f"{kv_group_size} (mx.quantize groups a row's features)" for m in modes})
+        self.variants = [(m, b) for b in kv_bits for m in modes if (m, b) not in self.skipped]
 
-    def run(self, mode: str, prompts, n) -> Run:
+    @property
+    def modes(self) -> list[str]:
+        """The modes running on the float cache."""
+        return [m for m, b in self.variants if b is None]
+
+    def _quantize(self, bits: int | None) -> dict:
+        return {} if bits is None else dict(kv_bits=bits, kv_group_size=self.kv_group_size)
+
+    def run(self, mode: str, prompts, n, kv_bits: int | None = None) -> Run:
         if mode in self.engines:
+            if kv_bits is not None:
+                raise ValueError(f"mode {mode}: the slot engine has no quantized pools")
             return run_engine(self.engines[mode], prompts, n)
+        if kv_bits is not None and mode == "mlx_lm" and len(prompts) > 1:
+            why = stock_batch_quantize_reason()
+            if why:
+                raise NotImplementedError(why)
+        quantize, factory = None, self.factories[mode]
+        if kv_bits is not None and mode == "mlx_lm":         # stock's own path: generate_step converts its cache
+            quantize = dict(self._quantize(kv_bits), quantized_kv_start=0)
+        elif kv_bits is not None:
+            factory = lambda model: self.factories[mode](model, **self._quantize(kv_bits))
         with as_shipped(mode, self.model):
-            return run_mlx_lm(self.model, prompts, n, self.factories[mode], self.prefill_step_size)
+            return run_mlx_lm(self.model, prompts, n, factory, self.prefill_step_size, quantize)
 
-    def try_run(self, mode: str, prompts, n) -> Run | None:
-        """run(), except that a mode mlx-lm's loop refuses (a cache that cannot batch) is skipped with
-        the reason instead of ending the benchmark."""
+    def try_run(self, mode: str, prompts, n, kv_bits: int | None = None) -> Run | None:
+        """run(), except that a variant that cannot run (a cache mlx-lm's loop refuses, a quantized
+        cache it cannot make or MLX has no kernel for) is skipped with the reason instead of ending
+        the benchmark; stock mlx-lm on the float cache and the engine modes must run."""
         try:
-            return self.run(mode, prompts, n)
-        except (ValueError, NotImplementedError, AttributeError, TypeError) as e:
-            if mode != "mlx_lm_fused_cache":
+            return self.run(mode, prompts, n, kv_bits)
+        except (ValueError, NotImplementedError, AttributeError, TypeError, RuntimeError) as e:
+            if (mode in ENGINE_MODES or (mode == "mlx_lm" and kv_bits is None)
+                    or (kv_bits is None and isinstance(e, RuntimeError))):
                 raise
-            self.skipped[mode] = f"mlx-lm's loop refused the cache at batch {len(prompts)}: {type(e).__name__}: {e}"
-            self.modes.remove(mode)
+            with contextlib.suppress(RuntimeError):       # what the failed step left queued
+                sync()
+            what = "" if kv_bits is None else f" ({kv_bits}-bit, group {self.kv_group_size})"
+            self.skipped[(mode, kv_bits)] = f"could not run{what} at batch {len(prompts)}: {type(e).__name__}: {e}"
+            self.variants.remove((mode, kv_bits))
             return None
 
 
@@ -397,9 +540,17 @@ class E2ECell:
     implementation: str = ""
     floor_tokens_per_s: float = 0.0
     prompt_lengths: list[int] = field(default_factory=list)
+    kv_bits: int | None = None                 # None: the float cache
+    kv_group_size: int | None = None           # quantized cells only
+    kv_peak_bytes: int | None = None           # the module docstring's KV memory: max over rounds
+    kv_decode_peak_bytes: int | None = None
+    kv_cache_bytes: int | None = None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.kv_bits is None:
+            del d["kv_group_size"]
+        return d
 
 
 def prompt_lengths(batch: int, prompt: int) -> list[int]:
@@ -431,10 +582,18 @@ def copy_bandwidth() -> float:
     return _BANDWIDTH[key]
 
 
-def step_bytes(model, config: dict, lengths: list[int], decode_tokens: int) -> int:
+def head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def step_bytes(model, config: dict, lengths: list[int], decode_tokens: int, kv_bits: int | None = None,
+               kv_group_size: int = KV_GROUP_SIZE) -> int:
     """The bytes one decode step must read: the weights (every parameter, less the embedding table
     when the head is its own matrix: a step reads B rows of it) plus every layer's K/V rows at the
-    middle of the decode (a sliding layer: at most its window)."""
+    middle of the decode (a sliding layer: at most its window). kv_bits: a full layer's rows are
+    mlx-lm's quantized format (kv_bits / 8 bytes of packed words per feature, a scale and a bias in the
+    model's dtype per kv_group_size features); sliding layers stay float, as mlx-lm and the drop-in
+    cannot quantize a rotating cache."""
     from mlx.utils import tree_flatten
 
     params = dict(tree_flatten(model.parameters()))
@@ -442,14 +601,17 @@ def step_bytes(model, config: dict, lengths: list[int], decode_tokens: int) -> i
     if not config.get("tie_word_embeddings", True):
         weights -= sum(v.nbytes for k, v in params.items() if k.endswith("embed_tokens.weight"))
     item = next(iter(params.values())).dtype.size
-    kv_row = 2 * config["num_key_value_heads"] * config.get("head_dim", config["hidden_size"] // config[
-        "num_attention_heads"]) * item
+    heads, D = config["num_key_value_heads"], head_dim(config)
+    float_row = 2 * heads * D * item
+    quant_row = float_row if kv_bits is None else 2 * heads * (D * kv_bits // 8 + 2 * (D // kv_group_size) * item)
     pattern, window = config.get("sliding_window_pattern"), config.get("sliding_window")
-    rows = 0
+    total = 0
     for layer in range(config["num_hidden_layers"]):
-        sliding = pattern and window and (layer + 1) % pattern != 0
-        rows += sum(min(n + decode_tokens // 2, window) if sliding else n + decode_tokens // 2 for n in lengths)
-    return weights + rows * kv_row
+        if pattern and window and (layer + 1) % pattern != 0:
+            total += float_row * sum(min(n + decode_tokens // 2, window) for n in lengths)
+        else:
+            total += quant_row * sum(n + decode_tokens // 2 for n in lengths)
+    return weights + total
 
 
 def pool_needed(batch: int, prompt: int, decode_tokens: int) -> int:
@@ -457,45 +619,57 @@ def pool_needed(batch: int, prompt: int, decode_tokens: int) -> int:
 
 
 def time_cell(size: Size, model, dtype: str, batch: int, prompt: int, decode_tokens: int, modes, rounds: int,
-              pool_size: int | None, seed: int = 0, prefill_step_size: int | None = None
-              ) -> tuple[list[E2ECell], dict[str, str]]:
-    """Median of `rounds` interleaved rounds per mode; (cells, {skipped mode: why})."""
+              pool_size: int | None, seed: int = 0, prefill_step_size: int | None = None, kv_bits=(None,),
+              kv_group_size: int = KV_GROUP_SIZE) -> tuple[list[E2ECell], dict[Variant, str]]:
+    """Median of `rounds` interleaved rounds per variant (mode, kv_bits): every variant runs once in
+    each round; (cells, {skipped variant: why})."""
     rng = np.random.default_rng(seed + 1000 * batch + prompt)
     lengths = prompt_lengths(batch, prompt)
     prompts = [rng.integers(0, size.config["vocab_size"], n).tolist() for n in lengths]
-    floor = batch / (step_bytes(model, size.config, lengths, decode_tokens) / copy_bandwidth())
+    bandwidth = copy_bandwidth()
+    floors = {b: batch / (step_bytes(model, size.config, lengths, decode_tokens, b, kv_group_size) / bandwidth)
+              for b in kv_bits}
     runner = Modes(model, modes, pool_size or pool_needed(batch, prompt, decode_tokens),
-                   prefill_step_size=prefill_step_size)
+                   prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                   head_dim=head_dim(size.config))
     warm = [p[:WARMUP_MAX_PROMPT] for p in prompts]
-    for m in list(runner.modes):
-        runner.try_run(m, warm, WARMUP_TOKENS)
-    times: dict[str, list[tuple[float, float]]] = {m: [] for m in runner.modes}
-    tokens: dict[str, list] = {}
+    for v in list(runner.variants):
+        runner.try_run(v[0], warm, WARMUP_TOKENS, v[1])
+    times: dict[Variant, list[tuple[float, float]]] = {v: [] for v in runner.variants}
+    memory: dict[Variant, list[Run]] = {v: [] for v in runner.variants}
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         for _ in range(rounds):
-            for m in runner.modes:
+            for v in list(runner.variants):
                 sync()
-                r = runner.run(m, prompts, decode_tokens)
-                times[m].append((r.prefill_s, r.decode_s))
-                tokens[m] = r.tokens
+                r = runner.try_run(v[0], prompts, decode_tokens, v[1])
+                if r is None:                   # skipped from now on, its earlier rounds with it
+                    del times[v], memory[v]
+                    continue
+                times[v].append((r.prefill_s, r.decode_s))
+                memory[v].append(r)
     finally:
         if gc_was_enabled:
             gc.enable()
     cells = []
-    for m in runner.modes:
-        pre = statistics.median(t[0] for t in times[m])
-        dec = statistics.median(t[1] for t in times[m])
+    for v in runner.variants:
+        m, bits = v
+        pre = statistics.median(t[0] for t in times[v])
+        dec = statistics.median(t[1] for t in times[v])
         n = decode_tokens - 1
+        most = lambda key: max((getattr(r, key) for r in memory[v] if getattr(r, key) is not None), default=None)
         cells.append(E2ECell(size.name, batch, prompt, dtype, m, decode_tokens,
                              decode_tokens_per_s=batch * n / dec if dec > 0 else 0.0,
                              prefill_tokens_per_s=sum(lengths) / pre if pre > 0 else 0.0,
                              decode_ms_per_step=dec / n * 1e3 if n else 0.0, rounds=rounds,
-                             decode_s=[round(t[1], 6) for t in times[m]],
-                             prefill_s=[round(t[0], 6) for t in times[m]],
+                             decode_s=[round(t[1], 6) for t in times[v]],
+                             prefill_s=[round(t[0], 6) for t in times[v]],
                              implementation=runner.implementation.get(m, "mlx-lm"),
-                             floor_tokens_per_s=floor, prompt_lengths=lengths))
+                             floor_tokens_per_s=floors[bits], prompt_lengths=lengths,
+                             kv_bits=bits, kv_group_size=None if bits is None else kv_group_size,
+                             kv_peak_bytes=most("kv_peak_bytes"), kv_decode_peak_bytes=most("kv_decode_peak_bytes"),
+                             kv_cache_bytes=most("kv_cache_bytes")))
     skipped = dict(runner.skipped)
     del runner
     gc.collect()
@@ -503,15 +677,27 @@ def time_cell(size: Size, model, dtype: str, batch: int, prompt: int, decode_tok
     return cells, skipped
 
 
+def skipped_entry(size: str, dtype: str, batch: int, prompt: int, variant: Variant, kv_group_size: int,
+                  reason: str) -> dict:
+    """A skipped variant as the JSON's `skipped` list holds it."""
+    mode, bits = variant
+    return dict(size=size, dtype=dtype, batch=batch, prompt=prompt, mode=mode, kv_bits=bits,
+                **({} if bits is None else dict(kv_group_size=kv_group_size)), reason=reason)
+
+
 def run(sizes, dtypes, batches, prompts, decode_tokens: int, modes, rounds: int, pool_size: int | None = None,
         check: bool = True, progress: Callable | None = None, log: Callable[[str], None] = lambda s: None,
-        prefill_step_size: int | None = None) -> tuple[list[E2ECell], list[dict], list[str]]:
-    """Every (size, dtype, batch, prompt) cell: (cells, skipped [{size, ..., mode, reason}], checks done)."""
+        prefill_step_size: int | None = None, kv_bits=(None,), kv_group_size: int = KV_GROUP_SIZE
+        ) -> tuple[list[E2ECell], list[dict], list[str]]:
+    """Every (size, dtype, batch, prompt) cell, each mode on the float cache (kv_bits None) and on each
+    kv_bits: (cells, skipped [{size, ..., mode, kv_bits, reason}], checks done). The agreement check
+    covers the float cache's modes."""
     cells, skipped, checks = [], [], []
     grid = [(s, d, b, p) for s in sizes for d in dtypes for b in batches for p in prompts]
+    float_modes = modes if None in kv_bits else []
     i = 0
-    for s in sizes if check else ():                  # every check before any timing: a failure costs seconds
-        for line in check_agreement(SIZES[s], modes, dtypes):
+    for s in sizes if check and float_modes else ():   # every check before any timing: a failure costs seconds
+        for line in check_agreement(SIZES[s], float_modes, dtypes):
             checks.append(f"{s}: {line}")
             log(f"# check {s}: {line}")
     for s in sizes:
@@ -525,9 +711,10 @@ def run(sizes, dtypes, batches, prompts, decode_tokens: int, modes, rounds: int,
                 for p in prompts:
                     i += 1
                     got, why = time_cell(size, model, d, b, p, decode_tokens, modes, rounds, pool_size,
-                                         prefill_step_size=prefill_step_size)
+                                         prefill_step_size=prefill_step_size, kv_bits=kv_bits,
+                                         kv_group_size=kv_group_size)
                     cells += got
-                    skipped += [dict(size=s, dtype=d, batch=b, prompt=p, mode=m, reason=r) for m, r in why.items()]
+                    skipped += [skipped_entry(s, d, b, p, v, kv_group_size, r) for v, r in why.items()]
                     if progress:
                         progress(i, len(grid), got, why)
             del model

@@ -146,7 +146,9 @@ def _check_values(path: Path, i: int, c: dict, kinds: dict) -> None:
         if k not in c:                      # an optional field (load_e2e_json checked the required ones)
             continue
         v = c[k]
-        if kind == "times":
+        if kind == "int?":
+            ok = v is None or (isinstance(v, int) and not isinstance(v, bool))
+        elif kind == "times":
             ok = isinstance(v, dict) and all(x is None or isinstance(x, _NUMBER) for x in v.values())
         elif kind == "list":
             ok = isinstance(v, list) and all(isinstance(x, _NUMBER) for x in v)
@@ -154,6 +156,7 @@ def _check_values(path: Path, i: int, c: dict, kinds: dict) -> None:
             ok = isinstance(v, kind) and not isinstance(v, bool)
         if not ok:
             want = {"times": "an object of numbers", "list": "a list of numbers", _NUMBER: "a number",
+                    "int?": "an integer or null",
                     int: "an integer", str: "a string"}[kind]
             raise ValueError(f"{path}: cells[{i}].{k} is {json.dumps(v)[:40]}; expected {want}")
 
@@ -305,37 +308,67 @@ E2E_DROP_IN_B1, E2E_DROP_IN_SIZE = 1.05, "llama-8b"   # GPU: the drop-in cache >
 E2E_MODE_ORDER = ("mlx_lm", "mlx_lm_fused_cache", "module", "reference", "fused")
 
 
+def _kv(bits) -> str:
+    """A cache's format in tables and labels: 'bf16' style names are the dtype's; quantized 'q8'."""
+    return "-" if bits is None else f"q{bits}"
+
+
 def e2e_progress_row(c) -> str:
-    return (f"  {c.size:<12}{c.dtype:>9} b{c.batch:<3} p{c.prompt:<5} {c.mode:<19} decode {c.decode_tokens_per_s:9.1f} "
-            f"tok/s ({c.decode_ms_per_step:7.2f} ms/step)  prefill {c.prefill_tokens_per_s:9.0f} tok/s")
+    return (f"  {c.size:<12}{c.dtype:>9} b{c.batch:<3} p{c.prompt:<5} {c.mode:<19}{_kv(c.kv_bits):>3} decode "
+            f"{c.decode_tokens_per_s:9.1f} tok/s ({c.decode_ms_per_step:7.2f} ms/step)  prefill "
+            f"{c.prefill_tokens_per_s:9.0f} tok/s" + (f"  KV peak {c.kv_peak_bytes / 2**20:.1f} MiB, buffers "
+                                                       f"{c.kv_cache_bytes / 2**20:.1f} MiB"
+                                                       if c.kv_peak_bytes is not None and c.kv_cache_bytes is not None
+                                                       else ""))
 
 
 def _e2e_groups(cells) -> dict[tuple, dict]:
-    """(size, dtype, batch, prompt) -> {mode: cell}, in measurement order."""
+    """(size, dtype, batch, prompt, kv_bits) -> {mode: cell}, in measurement order."""
     groups: dict[tuple, dict] = {}
     for c in cells:
-        groups.setdefault((c.size, c.dtype, c.batch, c.prompt), {})[c.mode] = c
+        groups.setdefault((c.size, c.dtype, c.batch, c.prompt, c.kv_bits), {})[c.mode] = c
     return groups
 
 
-def _paired(group: dict, a: str, b: str) -> list[float]:
-    """Per round, a's decode speed over b's (b's time / a's time). The modes of a round run one after
-    the other, so a round's pair shares the host's state: on a host whose speed drifts between rounds
-    the per-round ratios scatter far less than the per-mode medians do."""
-    x, y = group.get(a), group.get(b)
+def _float_groups(groups: dict) -> dict:
+    """The groups of the float cache (kv_bits None): what the targets of the unquantized issues judge."""
+    return {k: g for k, g in groups.items() if k[4] is None}
+
+
+def _paired_cells(x, y) -> list[float]:
+    """Per round, x's decode speed over y's (y's time / x's time). The variants of a round run one
+    after the other, so a round's pair shares the host's state: on a host whose speed drifts between
+    rounds the per-round ratios scatter far less than the per-variant medians do."""
     if not x or not y or len(x.decode_s) != len(y.decode_s) or not all(t > 0 for t in x.decode_s):
         return []
     return [ty / tx for tx, ty in zip(x.decode_s, y.decode_s)]
 
 
-def _ratio(group: dict, a: str, b: str) -> float | None:
-    """a's decode speed over b's: the median of the per-round ratios (_paired) when both cells have the
-    same rounds, else the ratio of the two medians."""
-    pairs = _paired(group, a, b)
+def _cell_ratio(x, y) -> float | None:
+    """x's decode speed over y's: the median of the per-round ratios (_paired_cells) when both cells
+    have the same rounds, else the ratio of the two medians."""
+    pairs = _paired_cells(x, y)
     if pairs:
         return _median(pairs)
-    x, y = group.get(a), group.get(b)
     return x.decode_tokens_per_s / y.decode_tokens_per_s if x and y and y.decode_tokens_per_s else None
+
+
+def _paired(group: dict, a: str, b: str) -> list[float]:
+    """_paired_cells of modes a and b of one group."""
+    return _paired_cells(group.get(a), group.get(b))
+
+
+def _ratio(group: dict, a: str, b: str) -> float | None:
+    """_cell_ratio of modes a and b of one group."""
+    return _cell_ratio(group.get(a), group.get(b))
+
+
+def _over_float(groups: dict, key: tuple, mode: str = "mlx_lm_fused_cache") -> float | None:
+    """A quantized group's `mode` over the same mode on the float cache of the same size, dtype,
+    batch and prompt (None for a float group or without that cell)."""
+    if key[4] is None:
+        return None
+    return _cell_ratio(groups[key].get(mode), groups.get((*key[:4], None), {}).get(mode))
 
 
 def _e2e_modes(cells) -> list[str]:
@@ -345,22 +378,26 @@ def _e2e_modes(cells) -> list[str]:
 
 def e2e_table(cells) -> str:
     """Decode tokens/s per cell and mode, then fused/module, module/mlx_lm, fused/mlx_lm and
-    mlx_lm_fused_cache/mlx_lm (each the median of the per-round ratios, _ratio)."""
+    mlx_lm_fused_cache/mlx_lm (each the median of the per-round ratios, _ratio); a quantized row (kv
+    q8, q4) adds the drop-in over the drop-in on the float cache (cache/float)."""
     modes = _e2e_modes(cells)
-    head = (f"{'size':<12}{'dtype':>9}{'batch':>6}{'prompt':>7}" + "".join(f"{m:>20}" for m in modes)
-            + f"{'fused/module':>14}{'module/mlx':>12}{'fused/mlx':>11}{'cache/mlx':>11}")
+    groups = _e2e_groups(cells)
+    head = (f"{'size':<12}{'dtype':>9}{'batch':>6}{'prompt':>7}{'kv':>4}" + "".join(f"{m:>20}" for m in modes)
+            + f"{'fused/module':>14}{'module/mlx':>12}{'fused/mlx':>11}{'cache/mlx':>11}{'cache/float':>12}")
     lines = [head]
-    for (size, dtype, batch, prompt), g in _e2e_groups(cells).items():
-        lines.append(f"{size:<12}{dtype:>9}{batch:>6}{prompt:>7}"
+    for key, g in groups.items():
+        size, dtype, batch, prompt, bits = key
+        lines.append(f"{size:<12}{dtype:>9}{batch:>6}{prompt:>7}{_kv(bits):>4}"
                      + "".join(_f(g[m].decode_tokens_per_s if m in g else None, "20.1f") for m in modes)
                      + _f(_ratio(g, "fused", "module"), "14.2f") + _f(_ratio(g, "module", "mlx_lm"), "12.2f")
-                     + _f(_ratio(g, "fused", "mlx_lm"), "11.2f") + _f(_ratio(g, "mlx_lm_fused_cache", "mlx_lm"), "11.2f"))
+                     + _f(_ratio(g, "fused", "mlx_lm"), "11.2f") + _f(_ratio(g, "mlx_lm_fused_cache", "mlx_lm"), "11.2f")
+                     + _f(_over_float(groups, key), "12.2f"))
     return "\n".join(lines)
 
 
 def _e2e_name(key: tuple) -> str:
-    size, dtype, batch, prompt = key
-    return f"{size} {dtype} b{batch} p{prompt}"
+    size, dtype, batch, prompt, bits = key
+    return f"{size} {dtype} b{batch} p{prompt}" + ("" if bits is None else f" {_kv(bits)}")
 
 
 def _all_cells_target(groups, name, a, b, minimum, keys=None) -> tuple[str, bool, str] | None:
@@ -377,13 +414,19 @@ def _all_cells_target(groups, name, a, b, minimum, keys=None) -> tuple[str, bool
 
 
 def e2e_targets(cells, backend: str) -> list[tuple[str, bool, str]]:
-    """(target, met, evidence) of the end-to-end issue's targets that apply to `backend`."""
-    groups = _e2e_groups(cells)
+    """(target, met, evidence) of the end-to-end issues' targets that apply to `backend`: the float
+    cache's (its groups only), then the quantized cache's (issue 35)."""
+    every = _e2e_groups(cells)
+    groups = _float_groups(every)
+    quant = {k: g for k, g in every.items() if k[4] is not None}
     out = []
+    t = _all_cells_target(quant, "quantized drop-in >= stock mlx-lm's QuantizedKVCache (every cell both ran)",
+                          "mlx_lm_fused_cache", "mlx_lm", 1.0)
+    qt = [t] if t else []
     if backend == "cpu":
         t = _all_cells_target(groups, "CPU: fused >= module (every cell)", "fused", "module", 1.0)
         out += [t] if t else []
-        return out
+        return out + qt
     t = _all_cells_target(groups, f"fused >= {E2E_GPU_FUSED_OVER_MODULE:.2f}x module (every cell)", "fused",
                           "module", E2E_GPU_FUSED_OVER_MODULE)
     out += [t] if t else []
@@ -400,7 +443,41 @@ def e2e_targets(cells, backend: str) -> list[tuple[str, bool, str]]:
     t = _all_cells_target(groups, "drop-in cache: mlx_lm_fused_cache never slower than mlx_lm (every cell)",
                           "mlx_lm_fused_cache", "mlx_lm", 1.0)
     out += [t] if t else []
-    return out
+    return out + qt + _kv_memory_target(every)
+
+
+E2E_KV_MEMORY_WITHIN = 0.10     # GPU: the quantized drop-in's KV memory within 10% of the format's share
+_ITEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def kv_ideal(bits: int, group_size: int, dtype: str) -> float:
+    """The quantized format's bytes over the float cache's: bits / 8 bytes of words per feature, a scale
+    and a bias of the dtype per group, over the dtype's item size (bf16, 8-bit: 0.5625 at group 32, 0.53125 at 64)."""
+    item = _ITEM[dtype]
+    return (bits / 8 + 2 * item / group_size) / item
+
+
+def _kv_share(groups: dict, key: tuple) -> float | None:
+    """The quantized drop-in's decode-phase KV memory over the float drop-in's (kv_decode_peak_bytes)."""
+    q = groups[key].get("mlx_lm_fused_cache")
+    f = groups.get((*key[:4], None), {}).get("mlx_lm_fused_cache")
+    if key[4] is None or not q or not f or not q.kv_decode_peak_bytes or not f.kv_decode_peak_bytes:
+        return None
+    return q.kv_decode_peak_bytes / f.kv_decode_peak_bytes
+
+
+def _kv_memory_target(groups: dict) -> list[tuple[str, bool, str]]:
+    rows = [(k, share, kv_ideal(k[4], groups[k]["mlx_lm_fused_cache"].kv_group_size, k[1]))
+            for k in groups if (share := _kv_share(groups, k)) is not None]
+    if not rows:
+        return []
+    off = [(k, s, i) for k, s, i in rows if abs(s / i - 1) > E2E_KV_MEMORY_WITHIN]
+    worst = max(rows, key=lambda r: abs(r[1] / r[2] - 1))
+    return [(f"quantized drop-in: KV memory (decode peak less the start) within {E2E_KV_MEMORY_WITHIN:.0%} of the "
+             f"format's share of the float drop-in's", not off,
+             f"{len(rows) - len(off)}/{len(rows)} cells within; worst {worst[1]:.3f} vs {worst[2]:.3f} "
+             f"({_e2e_name(worst[0])})" + (f"; off: {', '.join(f'{_e2e_name(k)} {s:.3f} vs {i:.3f}' for k, s, i in off[:6])}"
+                                           if off else ""))]
 
 
 def write_e2e_json(path: Path, cells, skipped: list[dict], info: dict, command: str) -> None:
@@ -417,13 +494,17 @@ def load_e2e_json(path: Path):
 
     data = _read_doc(path, "bench --e2e --json")
     names = [f.name for f in dataclasses.fields(E2ECell)]
-    optional = ("floor_tokens_per_s", "prompt_lengths")        # files written before the decode-attention work
+    optional = ("floor_tokens_per_s", "prompt_lengths",        # files written before the decode-attention work
+                "kv_bits", "kv_group_size", "kv_peak_bytes",       # ... before issue 35's (kv_group_size: quantized)
+                "kv_decode_peak_bytes", "kv_cache_bytes")
     cells = []
     for i, c in enumerate(data["cells"]):
         missing = [k for k in names if (not isinstance(c, dict) or k not in c) and k not in optional]
         if missing:
             raise ValueError(f"{path}: cells[{i}] lacks {', '.join(missing)} (not a `bench --e2e --json` file?)")
         _check_values(path, i, c, _E2E_KINDS)
+        if c.get("kv_bits") is not None and not isinstance(c.get("kv_group_size"), int):
+            raise ValueError(f"{path}: cells[{i}] has kv_bits {c['kv_bits']} but no kv_group_size")
         cells.append(E2ECell(**{k: c[k] for k in names if k in c}))
     skipped = data.get("skipped", [])
     if not isinstance(skipped, list) or not all(isinstance(s, dict) and isinstance(s.get("mode"), str)
@@ -436,19 +517,26 @@ def load_e2e_json(path: Path):
 _E2E_KINDS = dict(size=str, batch=int, prompt=int, dtype=str, mode=str, decode_tokens=int,
                   decode_tokens_per_s=_NUMBER, prefill_tokens_per_s=_NUMBER, decode_ms_per_step=_NUMBER, rounds=int,
                   decode_s="list", prefill_s="list", implementation=str, floor_tokens_per_s=_NUMBER,
-                  prompt_lengths="list")
+                  prompt_lengths="list", kv_bits="int?", kv_group_size=int, kv_peak_bytes="int?",
+                  kv_decode_peak_bytes="int?", kv_cache_bytes="int?")
 
 
-def _with_quartiles(group: dict, a: str, b: str) -> str:
-    """_ratio, with the quartiles of the per-round ratios when there are at least two rounds."""
-    r = _ratio(group, a, b)
+def _quartiles(x, y) -> str:
+    """_cell_ratio of x over y, with the quartiles of the per-round ratios when there are at least two
+    rounds."""
+    r = _cell_ratio(x, y)
     if r is None:
         return "-"
-    pairs = _paired(group, a, b)
+    pairs = _paired_cells(x, y)
     if len(pairs) < 2:
         return f"{r:.2f}"
     q1, _, q3 = statistics.quantiles(pairs, n=4, method="inclusive")
     return f"{r:.2f} [{q1:.2f}-{q3:.2f}]"
+
+
+def _with_quartiles(group: dict, a: str, b: str) -> str:
+    """_quartiles of modes a and b of one group."""
+    return _quartiles(group.get(a), group.get(b))
 
 
 def _spread(cells) -> str:
@@ -465,11 +553,33 @@ def _floor_share(g: dict, modes) -> str:
                                        for m in modes) + ")"
 
 
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.1f}"
+
+
+def _kv_memory(g: dict, modes) -> str:
+    """Per mode: KV peak / decode peak / buffers in MiB (the e2e module docstring's KV memory)."""
+    return ", ".join("-" if m not in g else f"{_mib(g[m].kv_peak_bytes)} / {_mib(g[m].kv_decode_peak_bytes)} / "
+                                            f"{_mib(g[m].kv_cache_bytes)}" for m in modes)
+
+
+def _skipped_key(s: dict) -> tuple:
+    return (s["size"], s["dtype"], s["batch"], s["prompt"], s.get("kv_bits"))
+
+
 def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
     def f(x, fmt):
         return format(x, fmt) if x is not None else "-"
 
-    modes = _e2e_modes(cells)
+    modes = _e2e_modes(cells) or [m for m in E2E_MODE_ORDER if m in {s["mode"] for s in skipped}]
+    groups = _e2e_groups(cells)
+    gone = {(*_skipped_key(s), s["mode"]) for s in skipped}
+    keys = list(dict.fromkeys([*groups, *map(_skipped_key, skipped)]))
+    first = {k[:2]: i for i, k in reversed(list(enumerate(keys)))}      # sizes and dtypes in run order
+    keys.sort(key=lambda k: (first[k[:2]], k[2], k[3], k[4] is not None, -(k[4] or 0)))
+    bits = sorted({k[4] for k in keys if k[4] is not None})
+    group_sizes = sorted({c.kv_group_size for c in cells if c.kv_bits is not None}
+                         | {s["kv_group_size"] for s in skipped if s.get("kv_bits") is not None})
     lines = [f"- Date {info.get('date', '?')}; host {info.get('host')} ({info.get('cpu') or info.get('platform')}, "
              f"{info.get('cpu_count')} CPUs); GPU: {info.get('gpu') or 'none'}; device {info.get('device')}; "
              f"MLX {info.get('mlx')}; Python {info.get('python')}; commit {info.get('commit')}; "
@@ -480,29 +590,50 @@ def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
              f"weights; sizes: " + "; ".join(f"{k}: {v}" for k, v in info.get("sizes", {}).items()) + ". "
              "A ratio of two modes is the median over rounds of the ratio within each round (the modes of a round "
              "run back to back); the drop-in cache's column adds the quartiles of those per-round ratios.",
+             *([f"- kv: the cache's format: '-' the float cache, "
+                + ", ".join(f"q{b}" for b in bits) + f" mlx-lm's quantized format ({', '.join(f'{b} bits' for b in bits)}, "
+                f"group size {', '.join(map(str, group_sizes))}); every format's variants run in the same rounds. "
+                "'drop-in ÷ float drop-in': the quantized drop-in over the drop-in on the float cache of the same "
+                "size, dtype, batch and prompt. 'KV ÷ float (format)': the quantized drop-in's KV decode peak over "
+                "the float drop-in's, and the format's share (bits / 8 + 2 x item / group) / item."] if bits else []),
+             "- KV MiB: the peak of MLX's active memory over the run less what was active when it started (the "
+             "weights; an engine mode's own pools are added back) / the same from the first generated token on / "
+             "the cache's buffers at the end (nbytes): the first two include the run's transient arrays "
+             "(activations, logits; the first also prefill's attention scores).",
              *[f"- Check: {c}" for c in info.get("checks", [])],
              f"- Round-to-round spread (slowest / fastest decode of a cell and mode): {_spread(cells)}; load average "
              f"at start {info.get('loadavg_start', '?')}, at end {info.get('loadavg_end', '?')}.", "",
-             "| size | dtype | batch | prompt | " + " | ".join(modes) + " | fused/module | module/mlx_lm | fused/mlx_lm |"
-             " mlx_lm_fused_cache/mlx_lm [quartiles] | floor tok/s (share: " + ", ".join(modes) + ") |"
-             " prefill tok/s (" + ", ".join(modes) + ") |",
-             "|" + "---|" * (10 + len(modes))]
-    for key, g in _e2e_groups(cells).items():
-        size, dtype, batch, prompt = key
-        lines.append(f"| {size} | {dtype} | {batch} | {prompt} | "
-                     + " | ".join(f(g[m].decode_tokens_per_s if m in g else None, ".1f") for m in modes)
+             "| size | dtype | batch | prompt | kv | " + " | ".join(modes) + " | fused/module | module/mlx_lm | "
+             "fused/mlx_lm | mlx_lm_fused_cache/mlx_lm [quartiles] | drop-in ÷ float drop-in [quartiles] | "
+             "KV ÷ float (format) | floor tok/s (share: " + ", ".join(modes) + ") | prefill tok/s (" + ", ".join(modes)
+             + ") | KV MiB: peak / decode peak / buffers (" + ", ".join(modes) + ") |",
+             "|" + "---|" * (14 + len(modes))]
+    for key in keys:
+        g = groups.get(key, {})
+        size, dtype, batch, prompt, kv_bits = key
+        share = _kv_share(groups, key) if key in groups else None
+        ideal = kv_ideal(kv_bits, g["mlx_lm_fused_cache"].kv_group_size, dtype) if share is not None else None
+        over_float = (_quartiles(g.get("mlx_lm_fused_cache"), groups.get((*key[:4], None), {}).get("mlx_lm_fused_cache"))
+                      if kv_bits is not None else "-")
+        lines.append(f"| {size} | {dtype} | {batch} | {prompt} | {_kv(kv_bits)} | "
+                     + " | ".join(f(g[m].decode_tokens_per_s, ".1f") if m in g else
+                                  "skipped" if (*key, m) in gone else "-" for m in modes)
                      + f" | {f(_ratio(g, 'fused', 'module'), '.2f')} | {f(_ratio(g, 'module', 'mlx_lm'), '.2f')} | "
                        f"{f(_ratio(g, 'fused', 'mlx_lm'), '.2f')} | {_with_quartiles(g, 'mlx_lm_fused_cache', 'mlx_lm')} | "
+                       f"{over_float} | " + (f"{share:.3f} ({ideal:.3f})" if share is not None else "-") + " | "
                      + _floor_share(g, modes) + " | "
-                     + " / ".join(f(g[m].prefill_tokens_per_s if m in g else None, ".0f") for m in modes) + " |")
+                     + " / ".join(f(g[m].prefill_tokens_per_s if m in g else None, ".0f") for m in modes) + " | "
+                     + _kv_memory(g, modes) + " |")
     lines += ["", "| target | result | evidence |", "|---|---|---|"]
     for name, met, evidence in e2e_targets(cells, info.get("backend", "")):
         lines.append(f"| {name} | **{'met' if met else 'not met'}** | {evidence} |")
     reasons = {}
     for s in skipped:
-        reasons.setdefault((s["mode"], s["reason"]), []).append(f"{s['size']} {s['dtype']} b{s['batch']} p{s['prompt']}")
+        what = "" if s.get("kv_bits") is None else f" {_kv(s['kv_bits'])}"
+        reasons.setdefault((s["mode"] + what, s["reason"]), []).append(
+            f"{s['size']} {s['dtype']} b{s['batch']} p{s['prompt']}")
     for (mode, why), where in reasons.items():
-        lines.append(f"\n- Skipped `{mode}` ({len(where)} cells): {why}")
+        lines.append(f"\n- Skipped `{mode}` ({len(where)} cell{'s' if len(where) > 1 else ''}: {', '.join(where)}): {why}")
     return "\n".join(lines) + "\n"
 
 
@@ -539,7 +670,8 @@ def e2e_figure(cells, title: str):
     dtypes, prompts = {k[1] for k, _ in groups}, {k[3] for k, _ in groups}
     short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
     labels = [f"{size}\nb{batch}" + (f" p{prompt}" if len(prompts) > 1 else "")
-              + (f" {short.get(dtype, dtype)}" if len(dtypes) > 1 else "") for (size, dtype, batch, prompt), _ in groups]
+              + (f" {short.get(dtype, dtype)}" if len(dtypes) > 1 else "") + ("" if bits is None else f" {_kv(bits)}")
+              for (size, dtype, batch, prompt, bits), _ in groups]
     fig, ax = plt.subplots(figsize=(max(8.0, 0.95 * len(groups) + 2), 5.2))
     colors = dict(zip(shown, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     width = 0.8 / max(1, len(shown))
@@ -562,6 +694,9 @@ def e2e_figure(cells, title: str):
         if m == "mlx_lm_fused_cache":        # the headline: its ratios written on the bars
             for x, y in zip(xs, ys):
                 ax.text(x, y / 2, f"{y:.2f}", ha="center", va="center", rotation=90, fontsize=7, color="white")
+    for i, (_, g) in enumerate(groups):     # a cell without the base (stock skipped: the markdown says why)
+        if base not in g:
+            ax.text(i, 0.05, f"no {base}", ha="center", va="bottom", rotation=90, fontsize=7)
     ax.axhline(1.0, color="k", lw=1.2, label=f"{_MODE_LABELS.get(base, base)} (1.0)")
     ax.set_xticks(range(len(groups)), labels, fontsize=8)
     ax.set_ylim(0, top * 1.12)
@@ -574,11 +709,12 @@ def e2e_figure(cells, title: str):
 
 
 def dropin_summary(cells) -> str | None:
-    """The drop-in cache against stock mlx-lm as a small markdown table (the README's): a row per
-    size (and dtype and prompt where several), a column per batch; None without both modes."""
+    """The drop-in cache against stock mlx-lm on the float cache as a small markdown table (the
+    README's): a row per size (and dtype and prompt where several), a column per batch; None without
+    both modes."""
     a, b = "mlx_lm_fused_cache", "mlx_lm"
     rows: dict[tuple, dict[int, str]] = {}
-    for (size, dtype, batch, prompt), g in _e2e_groups(cells).items():
+    for (size, dtype, batch, prompt, _), g in _float_groups(_e2e_groups(cells)).items():
         r = _ratio(g, a, b)
         if r is not None:
             rows.setdefault((size, dtype, prompt), {})[batch] = (

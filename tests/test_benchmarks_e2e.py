@@ -60,6 +60,12 @@ def test_smoke_run_writes_every_output(tmp_path):
     (["--smoke", "--decode-tokens", "99999999999999999999"], "--decode-tokens", "GiB of pools; at most half"),
     (["--smoke", "--pool-size", "99999999999999999999"], "--pool-size", "GiB of pools; at most half"),
     (["--smoke", "--batches", "100000000"], "--batches", "1900000000 KV slots need"),
+    (["--kv-bits", "3"], "--kv-bits", "'3': expected a comma list of none, 8, 4"),
+    (["--kv-bits", "8,float"], "--kv-bits", "expected a comma list of none, 8, 4"),
+    (["--kv-bits", ","], "--kv-bits", "expected a comma list of none, 8, 4"),
+    (["--kv-group-size", "48"], "--kv-group-size", "'48' is not one of '32', '64', '128'"),
+    (["--smoke", "--kv-bits", "none,8", "--modes", "mlx_lm,fused"], "--kv-bits",
+     "the slot engine's modes (fused) have float pools only"),
 ])
 def test_bad_arguments_name_the_flag(args, flag, says):
     out = run_cli(*args)
@@ -69,6 +75,52 @@ def test_bad_arguments_name_the_flag(args, flag, says):
 def test_e2e_options_need_e2e():
     out = CliRunner().invoke(bench, ["--sizes", "tiny-llama", "--smoke"])
     assert out.exit_code == 2 and "--sizes, --smoke: only with --e2e" in out.output
+    out = CliRunner().invoke(bench, ["--kv-bits", "8", "--kv-group-size", "32"])
+    assert out.exit_code == 2 and "--kv-bits, --kv-group-size: only with --e2e" in out.output
+
+
+def test_kv_bits_run_records_quantized_cells_memory_and_skips(tmp_path):
+    """--kv-bits none,8: mlx-lm's two modes on the float and the 8-bit cache. Batch 1 runs all four;
+    at batch 2 neither quantized variant can run (stock's BatchGenerator takes no kv_bits, and no
+    quantized cache merges), so both are skipped with mlx-lm's reason and the run goes on. Every
+    cell records its KV memory; the 8-bit buffers are the format's share of the float ones."""
+    out = run_cli("--smoke", "--no-check", "--kv-bits", "none,8", "--kv-group-size", "32", "--json",
+                  str(tmp_path / "e.json"), "--markdown", str(tmp_path / "e.md"))
+    assert out.exit_code == 0, out.output
+    doc = json.loads((tmp_path / "e.json").read_text())
+    factory, _ = e2e.fused_cache_factory()
+    modes = {"mlx_lm"} | ({"mlx_lm_fused_cache"} if factory else set())
+    got = {(c["batch"], c["mode"], c["kv_bits"]): c for c in doc["cells"]}
+    assert set(got) == {(1, m, b) for m in modes for b in (None, 8)} | {(2, m, None) for m in modes}
+    for (batch, mode, bits), c in got.items():
+        assert ("kv_group_size" in c) == (bits is not None) and c.get("kv_group_size", 32) == 32
+        assert c["kv_peak_bytes"] >= c["kv_decode_peak_bytes"] > 0 and c["kv_cache_bytes"] > 0
+        assert c["kv_peak_bytes"] >= c["kv_cache_bytes"] * (bits or 16) / 16 * 0.5
+    for m in modes:        # buffers of 256 rows either way: 32 features at 8 bits + a bf16 scale and bias
+        q, f = got[(1, m, 8)], got[(1, m, None)]
+        assert q["kv_cache_bytes"] / f["kv_cache_bytes"] == report.kv_ideal(8, 32, "bfloat16") == (1 + 4 / 32) / 2
+        assert q["floor_tokens_per_s"] > f["floor_tokens_per_s"]
+    skipped = {(s["batch"], s["mode"], s["kv_bits"]): s for s in doc["skipped"]}
+    assert set(skipped) == {(2, m, 8) for m in modes}
+    assert "BatchGenerator takes no kv_bits" in skipped[(2, "mlx_lm", 8)]["reason"]
+    assert all(s["kv_group_size"] == 32 for s in skipped.values())
+    md = (tmp_path / "e.md").read_text()
+    assert "| tiny-llama | bfloat16 | 2 | 16 | q8 | skipped |" in md
+    assert "| tiny-llama | bfloat16 | 1 | 16 | q8 | " in md
+    assert "Skipped `mlx_lm q8` (1 cell: tiny-llama bfloat16 b2 p16)" in md
+    assert doc["info"]["matrix"]["kv_bits"] == [None, 8] and doc["info"]["matrix"]["kv_group_size"] == 32
+    cells, _ = report.load_e2e_json(tmp_path / "e.json")                 # and it reads back
+    assert {c.kv_bits for c in cells} == {None, 8}
+
+
+def test_a_group_size_the_head_dim_cannot_hold_is_skipped():
+    """tiny-llama's head_dim is 32: group 64 cannot quantize it, said per variant before any run."""
+    model = e2e.random_model(dict(e2e.SIZES["tiny-llama"].config, num_hidden_layers=1), mx.bfloat16)
+    runner = e2e.Modes(model, ["mlx_lm"], 64, kv_bits=(None, 8), kv_group_size=64, head_dim=32)
+    assert runner.variants == [("mlx_lm", None)]
+    assert "head_dim 32 is not a multiple of --kv-group-size 64" in runner.skipped[("mlx_lm", 8)]
+    with pytest.raises(ValueError, match="fused have no quantized cache"):
+        e2e.Modes(model, ["mlx_lm", "fused"], 64, kv_bits=(None, 8))
 
 
 def test_random_model_is_built_in_the_target_dtype():
@@ -115,7 +167,7 @@ def test_ratios_pair_the_rounds_and_drop_in_targets():
                     decode_s=[0.9, 1.8, 1.8, 1.8, 0.9])     # faster in every round
     for c in (stock, fused):
         c.decode_tokens_per_s = 63 / sorted(c.decode_s)[2]
-    g = report._e2e_groups([stock, fused])[("llama-8b", "bfloat16", 1, 128)]
+    g = report._e2e_groups([stock, fused])[("llama-8b", "bfloat16", 1, 128, None)]
     assert stock.decode_tokens_per_s / fused.decode_tokens_per_s == 0.9     # medians: 2.0 vs 1.8 s
     assert report._ratio(g, "mlx_lm_fused_cache", "mlx_lm") == pytest.approx(1 / 0.9)   # every round 1/0.9
     assert "1.11 [1.11-1.11]" in report.e2e_markdown([stock, fused], [], {}, "cmd")
@@ -191,6 +243,8 @@ def test_from_json_merges_runs_and_refuses_a_cell_twice(tmp_path):
     (lambda d: d.update(skipped=[1]), "'skipped' is not a list of objects with a mode and a reason"),
     (lambda d: d["cells"][0].update(batch="8"), 'cells[0].batch is "8"; expected an integer'),
     (lambda d: d["cells"][0].update(decode_s="slow"), 'cells[0].decode_s is "slow"; expected a list of numbers'),
+    (lambda d: d["cells"][0].update(kv_bits="8"), 'cells[0].kv_bits is "8"; expected an integer or null'),
+    (lambda d: d["cells"][0].update(kv_bits=8), "cells[0] has kv_bits 8 but no kv_group_size"),
 ])
 def test_from_json_with_wrong_values_is_a_usage_error(tmp_path, change, says):
     """Was a KeyError, TypeError or ValueError traceback from the report."""
@@ -232,3 +286,52 @@ def test_prompt_lengths_floor_and_prefill_step(monkeypatch):
     e2e.run_mlx_lm(model, [[1, 2, 3], [4, 5]], 2, make_own_cache, prefill_step_size=2)
     e2e.run_mlx_lm(model, [[1, 2, 3], [4, 5]], 2, make_own_cache)
     assert seen == [2, None]
+
+
+def test_step_bytes_of_quantized_caches():
+    """A full layer's row on an 8- or 4-bit cache is its packed words plus a scale and a bias of the
+    dtype per group; a sliding layer's stays float (mlx-lm cannot quantize a rotating cache)."""
+    size = e2e.SIZES["tiny-gemma3"]
+    c = size.config
+    model = e2e.random_model(c, mx.bfloat16)
+    H, D, item = c["num_key_value_heads"], c["head_dim"], 2
+    sliding = sum(1 for i in range(c["num_hidden_layers"]) if (i + 1) % c["sliding_window_pattern"])
+    full = c["num_hidden_layers"] - sliding
+    for bits, g in ((8, 64), (4, 32), (None, 64)):
+        row = 2 * H * (D * item if bits is None else D * bits // 8 + 2 * (D // g) * item)
+        grow = e2e.step_bytes(model, c, [20], 2, bits, g) - e2e.step_bytes(model, c, [10], 2, bits, g)
+        assert grow == 10 * (full * row + sliding * 2 * H * D * item)      # 11..21 rows: inside the window
+    q8, f = e2e.step_bytes(model, c, [40], 2, 8, 64), e2e.step_bytes(model, c, [40], 2)
+    assert f - q8 == full * 41 * 2 * H * (D * item - D - 2 * item)
+
+
+def test_quantized_ratios_targets_and_the_readme_summary():
+    """A quantized cell's drop-in is compared with stock on its format and with the drop-in on the float
+    cache (per-round ratios); the target counts every quantized cell both ran; dropin_summary (README)
+    keeps to the float cache."""
+    def c(mode, bits, decode_s, batch=1, kv=None):
+        cell = E2ECell("s", batch, 128, "bfloat16", mode, 64, 63 / sorted(decode_s)[1], 1.0, 0, 3,
+                       decode_s=decode_s, kv_bits=bits, kv_group_size=None if bits is None else 64,
+                       kv_decode_peak_bytes=kv)
+        return cell
+    cells = [c("mlx_lm", None, [1.0, 2.0, 1.0], kv=1000), c("mlx_lm_fused_cache", None, [0.8, 1.6, 0.8], kv=1000),
+             c("mlx_lm", 8, [1.2, 2.4, 1.2]), c("mlx_lm_fused_cache", 8, [0.6, 1.2, 0.6], kv=540),
+             c("mlx_lm_fused_cache", 4, [0.5, 1.0, 0.5], kv=330),           # stock skipped at 4 bits
+             c("mlx_lm", 8, [1.0, 1.0, 1.0], batch=8), c("mlx_lm_fused_cache", 8, [1.25, 1.25, 1.25], batch=8)]
+    groups = report._e2e_groups(cells)
+    assert report._ratio(groups[("s", "bfloat16", 1, 128, 8)], "mlx_lm_fused_cache", "mlx_lm") == pytest.approx(2.0)
+    assert report._over_float(groups, ("s", "bfloat16", 1, 128, 8)) == pytest.approx(0.8 / 0.6)
+    assert report._over_float(groups, ("s", "bfloat16", 1, 128, None)) is None
+    table = report.e2e_table(cells)
+    assert any(line.split()[4] == "q8" and line.split()[-2:] == ["2.00", "1.33"] for line in table.splitlines()[1:])
+    got = {name: (met, ev) for name, met, ev in report.e2e_targets(cells, "cpu")}
+    met, ev = got["quantized drop-in >= stock mlx-lm's QuantizedKVCache (every cell both ran)"]
+    assert met is False and "1/2 cells at or above; worst 0.80x (s bfloat16 b8 p128 q8)" in ev
+    got = {name: (met, ev) for name, met, ev in report.e2e_targets(cells, "cuda")}
+    met, ev = [v for k, v in got.items() if k.startswith("quantized drop-in: KV memory")][0]
+    assert met is False and "1/2 cells within" in ev and "s bfloat16 b1 p128 q4 0.330 vs 0.281" in ev
+    assert got["drop-in cache: mlx_lm_fused_cache never slower than mlx_lm (every cell)"][0] is True   # float only
+    assert report.dropin_summary(cells).splitlines() == ["| model | batch 1 |", "|---|---|",
+                                                         "| s | **1.25x** (63 → 79) |"]
+    md = report.e2e_markdown(cells, [], {}, "cmd")
+    assert "| s | bfloat16 | 1 | 128 | q8 | " in md and "1.33 [1.33-1.33] | 0.540 (0.531) |" in md
