@@ -90,24 +90,27 @@ def test_kv_bits_run_records_quantized_cells_memory_and_skips(tmp_path):
     doc = json.loads((tmp_path / "e.json").read_text())
     factory, _ = e2e.fused_cache_factory()
     modes = {"mlx_lm"} | ({"mlx_lm_fused_cache"} if factory else set())
+    # On CUDA stock's quantized attention raises (MLX 0.32.4's quantized_matmul has no kernel for it)
+    stock_q8 = set() if backend_of(None) != "cuda" else {(1, "mlx_lm", 8)}
     got = {(c["batch"], c["mode"], c["kv_bits"]): c for c in doc["cells"]}
-    assert set(got) == {(1, m, b) for m in modes for b in (None, 8)} | {(2, m, None) for m in modes}
+    assert set(got) == ({(1, m, b) for m in modes for b in (None, 8)} - stock_q8) | {(2, m, None) for m in modes}
     for (batch, mode, bits), c in got.items():
         assert ("kv_group_size" in c) == (bits is not None) and c.get("kv_group_size", 32) == 32
         assert c["kv_peak_bytes"] >= c["kv_decode_peak_bytes"] > 0 and c["kv_cache_bytes"] > 0
         assert c["kv_peak_bytes"] >= c["kv_cache_bytes"] * (bits or 16) / 16 * 0.5
-    for m in modes:        # buffers of 256 rows either way: 32 features at 8 bits + a bf16 scale and bias
+    for m in {m for m in modes if (1, m, 8) in got}:   # buffers of 256 rows either way: 32 features at 8 bits + a bf16 scale and bias
         q, f = got[(1, m, 8)], got[(1, m, None)]
         assert q["kv_cache_bytes"] / f["kv_cache_bytes"] == report.kv_ideal(8, 32, "bfloat16") == (1 + 4 / 32) / 2
         assert q["floor_tokens_per_s"] > f["floor_tokens_per_s"]
     skipped = {(s["batch"], s["mode"], s["kv_bits"]): s for s in doc["skipped"]}
-    assert set(skipped) == {(2, m, 8) for m in modes}
+    assert set(skipped) == {(2, m, 8) for m in modes} | stock_q8
     assert "BatchGenerator takes no kv_bits" in skipped[(2, "mlx_lm", 8)]["reason"]
+    assert all(skipped[k]["reason"].startswith("could not run") for k in stock_q8)
     assert all(s["kv_group_size"] == 32 for s in skipped.values())
     md = (tmp_path / "e.md").read_text()
     assert "| tiny-llama | bfloat16 | 2 | 16 | q8 | skipped |" in md
     assert "| tiny-llama | bfloat16 | 1 | 16 | q8 | " in md
-    assert "Skipped `mlx_lm q8` (1 cell: tiny-llama bfloat16 b2 p16)" in md
+    assert ("Skipped `mlx_lm q8` (1 cell: tiny-llama bfloat16 b2 p16)" in md) == (not stock_q8)
     assert doc["info"]["matrix"]["kv_bits"] == [None, 8] and doc["info"]["matrix"]["kv_group_size"] == 32
     cells, _ = report.load_e2e_json(tmp_path / "e.json")                 # and it reads back
     assert {c.kv_bits for c in cells} == {None, 8}
