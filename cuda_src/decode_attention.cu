@@ -10,8 +10,10 @@
 // then merged across lane groups, warps and, with n_splits > 1, across the blocks of a row
 // (flash-decoding): each block writes (max, sum, unnormalised output) to the workspace and the last
 // block to arrive (a counter per (row, kv head) in `locks`, reset by that block) combines them.
-// All of that is aot_attention.cuh's attend (decode_attention_quantized's too); this file has the
-// float rows' policy: raw 16-byte units per lane, unpacked when used.
+// float16 and bfloat16 at head_dim 64 or 128 take the tensor-core path instead (mma.m16n8k16 for Q K^T
+// and P V, a warp per 16 keys). All of that is aot_attention.cuh's attend (decode_attention_quantized's
+// too); this file has the float rows' policies: raw 16-byte units, unpacked (SIMT) or handed to the mma
+// as they are.
 #include <math.h>
 #include <stdint.h>
 

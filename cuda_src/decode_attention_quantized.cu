@@ -8,6 +8,8 @@
 // whole lanes). Scores need no dequantized key: with the lane's q features q_e (pre-scaled), key
 // features w_e * s + b give sum_e q_e (w_e s + b) = s * sum_e q_e w_e + b * sum_e q_e, the second sum
 // once per pass. Values are dequantized per lane (w_e * s + b, fp32), once for all the query rows.
+// That is the SIMT path (float32, head dims other than 64 and 128); 2-byte types at 64 or 128 take the
+// tensor-core path, whose rows policy (QuantMma) dequantizes into the mma's operands.
 #include <math.h>
 #include <stdint.h>
 
