@@ -89,14 +89,17 @@ def plan(model, bits, gs):
     return mc.fused_model(model).quant[(bits, gs)]
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "capture"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("bits, gs", [(8, 64), (4, 32)])
-def test_batch_generator_gives_each_requests_tokens(native_artifacts, monkeypatch, arch, bits, gs):
+def test_batch_generator_gives_each_requests_tokens(native_artifacts, monkeypatch, arch, bits, gs, direct):
     """BatchGenerator merges the per-request quantized caches into BatchQuantizedKVCache: every forward
-    writes through rope_quant_pool_fused (the norm form for qwen3) in place, the decode steps and the
-    short prefill attend through decode_attention_quantized, the long prefill chunk through the
-    fallback; each request's f32 greedy tokens are those it gets alone (log-probs within 1e-4) and
-    those of mlx-lm's own QuantizedKVCache (where stock runs: not on CUDA)."""
+    writes through rope_quant_pool_fused (the norm form for qwen3) in place, through the direct
+    forward or the rope capture (the batch's offset array as the rope's offset), the decode steps
+    attend through decode_attention_quantized, the long prefill chunk through the fallback; each
+    request's f32 greedy tokens are those it gets alone (log-probs within 1e-4) and those of mlx-lm's
+    own QuantizedKVCache (where stock runs: not on CUDA)."""
+    monkeypatch.setenv("MLX_AOT_DIRECT_ATTENTION", "1" if direct else "0")
     model = model_of(arch)
     n = [6, 9, 7, 8]
     want = alone(model, PROMPTS, n, quantized(model, bits, gs))
@@ -119,7 +122,7 @@ def test_batch_generator_gives_each_requests_tokens(native_artifacts, monkeypatc
         assert q.calls[FALLBACK] == 1 and q.calls["attention"] >= max(n) and q.calls["stock"] == 0, (i, q.calls)
         assert q.fusion.calls["fused"] == q.calls["attention"] + 1 and q.fusion.calls["stock"] == 0
         assert q.attention.implementation == f"native-{backend_of(None)}"
-        assert (q.fusion.norm_kernel is not None) == (arch == "qwen3")
+        assert (q.fusion.norm_kernel is not None) == (arch == "qwen3") and q.fusion.direct == direct
     if backend_of(None) != "cuda":      # MLX 0.32.4's CUDA quantized_matmul has no kernel for stock's attention
         for (toks, lps), p, m in zip(want, PROMPTS, n):
             assert_close((toks, lps), run(model, stock_quantized(model, bits, gs), p, n=m))
