@@ -21,16 +21,18 @@ What each mode runs (mlx-lm 0.32.2's own loops, not a copy of them):
     `BatchGenerator` (what `batch_generate` runs), with prefill_batch_size = completion_batch_size
     = batch so that every request is prefilled in one batch and decoded together;
   - module / reference / fused: `SlotEngine(model, mode=...)`, every request admitted at once;
-  - mlx_lm_fused_cache: the same mlx-lm loops on `registry.integrations.mlx_lm.make_prompt_cache`
-    (skipped, with the reason, where that is not importable or cannot batch).
+  - mlx_lm_fused_cache: the same mlx-lm loops on `registry.integrations.mlx_lm.make_prompt_cache`,
+    one cache list per request (skipped, with the reason, where that is not importable).
 
 With kv_bits (`--kv-bits 8,4`), each of mlx-lm's modes runs again on a quantized cache, every variant
 in the same rounds as the float ones: mlx_lm through generate_step(kv_bits=, kv_group_size=,
 quantized_kv_start=0) (mlx-lm's own QuantizedKVCache from the first decode step; its prompt is
 prefilled on the float cache, which it then converts), mlx_lm_fused_cache on make_prompt_cache(model,
-kv_bits=, kv_group_size=) (quantized from the first token). A variant that cannot run (mlx-lm's
-BatchGenerator batches no quantized cache; its RotatingKVCache cannot quantize; a kernel MLX lacks)
-is skipped with the reason. The slot engine has float pools only.
+kv_bits=, kv_group_size=) per request (quantized from the first token; at batch > 1 BatchGenerator
+merges them into the drop-in's BatchQuantizedKVCache). A variant that cannot run (stock at batch > 1:
+mlx-lm's BatchGenerator takes no kv_bits and its QuantizedKVCache has no merge; stock's
+RotatingKVCache cannot quantize; a kernel MLX lacks) is skipped with the reason. The slot engine has
+float pools only.
 
 Every cell records its KV memory: `kv_peak_bytes`, the peak of MLX's active memory over the run
 less the memory active when it started (the weights, and anything alive between runs: another engine
@@ -261,8 +263,9 @@ def _mlx_lm_batch(model, prompts: list[list[int]], n: int, caches, prefill_step_
 
 def run_mlx_lm(model, prompts, n, cache_factory, prefill_step_size: int | None = None,
                quantize: dict | None = None) -> Run:
-    """mlx-lm's own loop on `cache_factory(model)` caches (one list per request); quantize: stock's
-    generate_step(kv_bits=...) arguments (batch 1 only: BatchGenerator takes none)."""
+    """mlx-lm's own loop on `cache_factory(model)` caches (one list per request: the quantized drop-in's
+    too, which BatchGenerator merges); quantize: stock's generate_step(kv_bits=...) arguments (batch 1
+    only: BatchGenerator takes none)."""
     if len(prompts) == 1:
         return _mlx_lm_single(model, prompts[0], n, cache_factory(model), prefill_step_size, quantize)
     if quantize:

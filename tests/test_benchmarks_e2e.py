@@ -4,6 +4,7 @@ argument errors, the report's target verdicts). No assertion depends on how fast
 from __future__ import annotations
 
 import json
+import re
 
 import mlx.core as mx
 import pytest
@@ -81,9 +82,10 @@ def test_e2e_options_need_e2e():
 
 def test_kv_bits_run_records_quantized_cells_memory_and_skips(tmp_path):
     """--kv-bits none,8: mlx-lm's two modes on the float and the 8-bit cache. Batch 1 runs all four;
-    at batch 2 neither quantized variant can run (stock's BatchGenerator takes no kv_bits, and no
-    quantized cache merges), so both are skipped with mlx-lm's reason and the run goes on. Every
-    cell records its KV memory; the 8-bit buffers are the format's share of the float ones."""
+    at batch 2 the drop-in runs quantized through BatchGenerator (its per-request caches merge into
+    BatchQuantizedKVCache), stock cannot (its BatchGenerator takes no kv_bits, and its
+    QuantizedKVCache has no merge): skipped with that reason, and the run goes on. Every cell
+    records its KV memory; the 8-bit buffers are the format's share of the float ones."""
     out = run_cli("--smoke", "--no-check", "--kv-bits", "none,8", "--kv-group-size", "32", "--json",
                   str(tmp_path / "e.json"), "--markdown", str(tmp_path / "e.md"))
     assert out.exit_code == 0, out.output
@@ -93,22 +95,26 @@ def test_kv_bits_run_records_quantized_cells_memory_and_skips(tmp_path):
     # On CUDA stock's quantized attention raises (MLX 0.32.4's quantized_matmul has no kernel for it)
     stock_q8 = set() if backend_of(None) != "cuda" else {(1, "mlx_lm", 8)}
     got = {(c["batch"], c["mode"], c["kv_bits"]): c for c in doc["cells"]}
-    assert set(got) == ({(1, m, b) for m in modes for b in (None, 8)} - stock_q8) | {(2, m, None) for m in modes}
+    assert set(got) == (({(1, m, b) for m in modes for b in (None, 8)} - stock_q8) | {(2, m, None) for m in modes}
+                        | {(2, m, 8) for m in modes - {"mlx_lm"}})
     for (batch, mode, bits), c in got.items():
         assert ("kv_group_size" in c) == (bits is not None) and c.get("kv_group_size", 32) == 32
         assert c["kv_peak_bytes"] >= c["kv_decode_peak_bytes"] > 0 and c["kv_cache_bytes"] > 0
         assert c["kv_peak_bytes"] >= c["kv_cache_bytes"] * (bits or 16) / 16 * 0.5
-    for m in {m for m in modes if (1, m, 8) in got}:   # buffers of 256 rows either way: 32 features at 8 bits + a bf16 scale and bias
-        q, f = got[(1, m, 8)], got[(1, m, None)]
+    for b, m in {(b, m) for b in (1, 2) for m in modes if (b, m, 8) in got}:
+        # buffers of 256 rows either way: 32 features at 8 bits + a bf16 scale and bias
+        q, f = got[(b, m, 8)], got[(b, m, None)]
         assert q["kv_cache_bytes"] / f["kv_cache_bytes"] == report.kv_ideal(8, 32, "bfloat16") == (1 + 4 / 32) / 2
         assert q["floor_tokens_per_s"] > f["floor_tokens_per_s"]
     skipped = {(s["batch"], s["mode"], s["kv_bits"]): s for s in doc["skipped"]}
-    assert set(skipped) == {(2, m, 8) for m in modes} | stock_q8
+    assert set(skipped) == {(2, "mlx_lm", 8)} | stock_q8
     assert "BatchGenerator takes no kv_bits" in skipped[(2, "mlx_lm", 8)]["reason"]
     assert all(skipped[k]["reason"].startswith("could not run") for k in stock_q8)
     assert all(s["kv_group_size"] == 32 for s in skipped.values())
     md = (tmp_path / "e.md").read_text()
     assert "| tiny-llama | bfloat16 | 2 | 16 | q8 | skipped |" in md
+    if factory:                                        # the drop-in's batch-2 q8 cell has its tokens/s
+        assert re.search(r"\| tiny-llama \| bfloat16 \| 2 \| 16 \| q8 \| skipped \| [0-9.]+ \|", md), md
     assert "| tiny-llama | bfloat16 | 1 | 16 | q8 | " in md
     assert ("Skipped `mlx_lm q8` (1 cell: tiny-llama bfloat16 b2 p16)" in md) == (not stock_q8)
     assert doc["info"]["matrix"]["kv_bits"] == [None, 8] and doc["info"]["matrix"]["kv_group_size"] == 32

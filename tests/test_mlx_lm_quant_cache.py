@@ -3,8 +3,8 @@ own generate_step: make_prompt_cache(kv_bits=...) and generate_step(kv_bits=...)
 QuantizedKVCache class with the kernels' writes and attention; f32 greedy tokens and log-probs as
 mlx-lm's own QuantizedKVCache; unfused (NoPE) layers on the plain quantized store; the CUDA
 attention path (dequantize + fused sdpa) on any device; save/load in mlx-lm's file; BatchGenerator
-as stock (no quantized batching in mlx-lm 0.32.2). Runs on the default device (CPU in CI; the GPU
-host too)."""
+batching the drop-in where stock's QuantizedKVCache cannot (tests/test_mlx_lm_quant_batch.py: the
+batch cache itself). Runs on the default device (CPU in CI; the GPU host too)."""
 
 from __future__ import annotations
 
@@ -189,17 +189,18 @@ def test_save_and_load_in_mlx_lms_own_format(native_artifacts, tmp_path):
     assert_close(run(model, loaded, [5, 6], n=4), run(model, twin, [5, 6], n=4))
 
 
-def test_batch_generator_refuses_quantized_caches_as_stock_does(native_artifacts):
+def test_batch_generator_batches_the_drop_in_where_stock_refuses(native_artifacts):
     """mlx-lm 0.32.2 has no quantized batch cache: BatchGenerator merges per-request caches with the
-    class's merge, which QuantizedKVCache lacks (ValueError). The drop-in class is no different."""
+    class's merge, which its QuantizedKVCache lacks (ValueError). The drop-in class merges into
+    BatchQuantizedKVCache (tests/test_mlx_lm_quant_batch.py), with each request's tokens alone."""
     model = model_of("llama")
-    errors = []
-    for caches in ([stock_quantized(model, 8, 64) for _ in PROMPTS[:2]],
-                   [make_prompt_cache(model, kv_bits=8, kv_group_size=64) for _ in PROMPTS[:2]]):
-        with pytest.raises(ValueError, match="does not yet support batching with history") as e:
-            batch_run(model, PROMPTS[:2], n=2, caches=caches)
-        errors.append(str(e.value).replace("registry.integrations.mlx_lm_quant_cache", "mlx_lm.models.cache"))
-    assert errors[0] == errors[1]
+    with pytest.raises(ValueError, match="does not yet support batching with history"):
+        batch_run(model, PROMPTS[:2], n=2, caches=[stock_quantized(model, 8, 64) for _ in PROMPTS[:2]])
+    got = batch_run(model, PROMPTS[:2], n=4, caches=[make_prompt_cache(model, kv_bits=8, kv_group_size=64)
+                                                    for _ in PROMPTS[:2]])
+    from tests.test_mlx_lm_quant_batch import assert_as_alone
+
+    assert_as_alone(got, [run(model, make_prompt_cache(model, kv_bits=8, kv_group_size=64), p, n=4) for p in PROMPTS[:2]])
 
 
 def test_mlx_lms_own_quantized_caches_keep_mlx_lms_attention(native_artifacts, monkeypatch):

@@ -34,7 +34,8 @@ What each cache type does in a fused layer:
     concatenation: mlx-lm rebuilds the window in temporal order by concatenating there (the buffer
     is max_size + L - 1 long afterwards), so there is no slot of an existing buffer to write into.
   - QuantizedKVCache: the quantized drop-in class of mlx_lm_quant_cache.py (make_prompt_cache(kv_bits=),
-    KVCache.to_quantized, a loaded cache bound again).
+    KVCache.to_quantized, a loaded cache bound again); BatchGenerator merges it into that module's
+    BatchQuantizedKVCache.
   - Every other cache class (ChunkedKVCache, ConcatenateKVCache, ArraysCache) stays mlx-lm's own,
     with `.kernel = None` and `.reason`.
 

@@ -14,17 +14,33 @@ What runs, per layer and format (`QuantLayer`):
     kv_quant_pool_store. Either quantizes the rows into the buffers in place, bit for bit
     mx.quantize on the backend. Without the kernel (not selected: another format, an unfused rope
     and so on) mlx-lm's own mx.quantize and slice assignment;
-  - attention (`QuantizedKVCache.attend`): up to 8 query tokens (mask None or "causal") on
-    decode_attention_quantized where selected; else mlx-lm's own quantized attention (mx.quantized_matmul) on the CPU and
-    Metal, and on CUDA, where MLX 0.32.4's quantized_matmul has no kernel for these shapes, the valid
-    rows dequantized (mx.dequantize of [0, offset)) and MLX's fused sdpa: so prefill chunks dequantize
-    the whole valid range once per chunk. The model's attention code reaches it through mlx-lm's own
+  - attention (`attend`): up to 8 query tokens on decode_attention_quantized where selected, each
+    row's valid range as data (a lone cache: mask None or "causal", rows [0, offset); a batch cache:
+    the array mask its make_mask made, rows [_idx - offset[b], _idx) of row b); else mlx-lm's own
+    quantized attention (mx.quantized_matmul) with the mask on the CPU and Metal, and on CUDA, where
+    MLX 0.32.4's quantized_matmul has no kernel for these shapes, the valid rows dequantized
+    (mx.dequantize) and MLX's fused sdpa with the mask: so prefill chunks dequantize the whole valid
+    range once per chunk. The model's attention code reaches it through mlx-lm's own
     `quantized_scaled_dot_product_attention`, which `install_attention` wraps: keys that this module's
     caches returned (`QuantRows`) go to their cache; every other call runs mlx-lm's function.
 
+Batching (mlx-lm's BatchGenerator, batch_generate): `QuantizedKVCache.merge` makes a
+`BatchQuantizedKVCache`, mlx-lm's BatchKVCache layout (left padding, per-row offsets, _idx) in the
+same buffer format, bound to the same layer; mlx-lm 0.32.2 has no quantized batch cache of its own
+(its QuantizedKVCache has no merge: BatchGenerator raises ValueError). Each update writes rows
+[_idx, _idx + L) of every row in place through the same kernels, RoPE at each row's own positions
+(offset[b] + l); prepare/finalize (the right-padded prefill rolled into left padding), filter (a
+gather of the rows shifted past the padding the kept rows share: new buffers, no view), extend, trim
+and make_mask as mlx-lm's BatchKVCache; extract(i) gives request i's rows as a QuantizedKVCache in
+buffers of their own, a snapshot the batch's later writes never change. state is (keys, values,
+offset, left_padding, _idx, group_size, bits); mlx-lm's load_prompt_cache knows no
+BatchQuantizedKVCache class, so save the requests' extracted caches (QuantizedKVCache files, which
+stock mlx-lm reads).
+
 Not quantized: rotating caches (sliding windows, max_kv_size) stay float drop-in caches, as mlx-lm
-cannot quantize them (its to_quantized raises). mlx-lm's BatchGenerator does not batch quantized
-caches (QuantizedKVCache has no merge: its _merge_caches raises ValueError), this class neither.
+cannot quantize them (its to_quantized raises); in a batch they merge into the float drop-in's
+BatchRotatingKVCache. No class here has to_quantized, so generate_step(kv_bits=...)'s conversion
+(maybe_quantize_kv_cache) leaves these caches as they are.
 """
 
 from __future__ import annotations
@@ -39,7 +55,8 @@ from ..core import default_registry
 from ..native import device_arange
 from ..kernels._base import PoolFormat
 from .mlx_lm import import_mlx_lm_module
-from .mlx_lm_cache import Fusion, FusedModel, _adopt, _Fused, _rows_index, _steps
+from .mlx_lm_cache import (_MASKS, Fusion, FusedModel, _adopt, _batch_index, _compact, _Fused, _row_ends,
+                           _rows_index, _steps)
 
 _stock = import_mlx_lm_module("cache")
 KV_BITS = (2, 3, 4, 5, 6, 8)          # mx.quantize's affine formats (mlx-lm's kv_bits)
@@ -145,16 +162,15 @@ def explain(fm: FusedModel) -> list[str]:
     return lines
 
 
-class QuantizedKVCache(_Fused, _stock.QuantizedKVCache):
-    """mlx-lm's QuantizedKVCache; its writes and attention in the kernels (module docstring)."""
+class _Quantized(_Fused):
+    """What the drop-in quantized caches share (QuantizedKVCache, BatchQuantizedKVCache): the binding to
+    a QuantLayer, the buffers as the kernels' pools, the writes and the attention. Mixed in before
+    the mlx-lm-level class; each class says where its rows go (`_index`, `_advance`, `_rows`) and
+    which valid ranges the attention kernel reads (`_kernel_ranges`)."""
 
     _quant: QuantLayer | None = None
 
-    def __init__(self, group_size: int = 64, bits: int = 8, quant: QuantLayer | None = None):
-        super().__init__(group_size=group_size, bits=bits)
-        self._bind(quant)
-
-    def _bind(self, quant: QuantLayer | None) -> "QuantizedKVCache":
+    def _bind(self, quant: QuantLayer | None):
         self._quant = quant
         self._fusion = None if quant is None else quant.fusion
         return self
@@ -176,29 +192,10 @@ class QuantizedKVCache(_Fused, _stock.QuantizedKVCache):
         self.keys, self.values = tuple(pools[:3]), tuple(pools[3:])
 
     def _room(self, prev: int, keys: mx.array, values: mx.array) -> None:
-        """Rows [prev, prev + L) made to exist, as mlx-lm's update_and_fetch grows its buffers: whole
-        steps of 256 zero rows, the buffers cut at prev first when prev is not on a step boundary."""
-        L = keys.shape[2]
-        if self.keys is not None and prev + L <= self.keys[0].shape[2]:
-            return
-        B, H = keys.shape[:2]
-        rows = _steps(L, self.step)
-
-        def zeros(dim):
-            return (mx.zeros((B, H, rows, dim * self.bits // 32), mx.uint32),
-                    mx.zeros((B, H, rows, dim // self.group_size), keys.dtype),
-                    mx.zeros((B, H, rows, dim // self.group_size), keys.dtype))
-
-        if self.keys is None:
-            self.keys, self.values = zeros(keys.shape[3]), zeros(values.shape[3])
-            return
-        if prev % self.step:
-            self.keys, self.values = (tuple(x[..., :prev, :] for x in side) for side in (self.keys, self.values))
-        self.keys, self.values = (tuple(mx.concatenate([x, z], axis=2) for x, z in zip(side, zeros(D)))
-                                  for side, D in ((self.keys, keys.shape[3]), (self.values, values.shape[3])))
+        _room(self, prev, keys, values)
 
     def keys_and_values(self):
-        n = self.__dict__["_fused_off"]
+        n = self._rows()
         k, v = self.keys, self.values
         if n != k[0].shape[2]:
             k, v = tuple(x[:, :, :n] for x in k), tuple(x[:, :, :n] for x in v)
@@ -206,12 +203,12 @@ class QuantizedKVCache(_Fused, _stock.QuantizedKVCache):
 
     # -- writes
     def fused_update(self, q, k, v, weights=None):
-        """(rotated q, rotated k, keys, values): one rope_quant_pool_fused call quantizing rows
-        [offset, offset + L) of every batch row into the buffers (weights: the q/k norm weights)."""
-        prev = self.__dict__["_fused_off"]
+        """(rotated q, rotated k, keys, values): one rope_quant_pool_fused call quantizing the L new
+        rows of every batch row into the buffers (weights: the q/k norm weights)."""
+        prev, L = self._start(), k.shape[2]
         self._room(prev, k, v)
-        q, k = self._write(q, k, v, *_rows_index(prev, k.shape, self.keys[0].shape[2], self._fusion.backend), weights)
-        self.__dict__["_fused_off"] = prev + k.shape[2]
+        q, k = self._write(q, k, v, *self._index(prev, k.shape, self.keys[0].shape[2], self._fusion.backend), weights)
+        self._advance(L)
         if self.__dict__.get("_direct"):      # direct_attend reads the buffers: no slices to build
             return q, k, QuantRows(self.keys, self), QuantRows(self.values, self)
         return (q, k, *self.keys_and_values())
@@ -233,15 +230,15 @@ class QuantizedKVCache(_Fused, _stock.QuantizedKVCache):
             if quant is not None:
                 quant.calls["stock"] += 1
             return self._stock_update(keys, values)
-        prev = self.__dict__["_fused_off"]
+        prev = self._start()
         self._room(prev, keys, values)
-        slots = _rows_index(prev, keys.shape, self.keys[0].shape[2], store.backend)[1]
+        slots = self._index(prev, keys.shape, self.keys[0].shape[2], store.backend)[1]
         last = self.__dict__.get("_launch_store")
         if last is None or last[0] is not store:   # the first write, or the first since a snapshot
             self._unshare()
             last = self.__dict__["_launch_store"] = (store, store.last_bound())
         self._set_pools(last[1](keys, values, slots, *self._pools()))
-        self.__dict__["_fused_off"] = prev + keys.shape[2]
+        self._advance(keys.shape[2])
         quant.calls["store"] += 1
         return self.keys_and_values()
 
@@ -254,14 +251,13 @@ class QuantizedKVCache(_Fused, _stock.QuantizedKVCache):
         """Attention of queries [B, Hq, L, D] over this cache's valid rows (module docstring)."""
         quant = self._quant
         B, _, L, _ = queries.shape
-        if quant is not None and quant.attention is not None and L <= MAX_DECODE and (mask is None or (
-                isinstance(mask, str) and mask == "causal")):
-            # the rows [0, offset) of every batch row, causal among the L queries: the kernel's own ranges
-            n = self.__dict__["_fused_off"]
-            ends = device_arange(n, B, 0, quant.attention.backend) if B > 1 else \
-                device_arange(n, 1, 1, quant.attention.backend)
-            quant.calls["attention"] += 1
-            return quant.attention(queries, self.keys, self.values, ends, ends, scale=scale, check=False)
+        if quant is not None and quant.attention is not None and L <= MAX_DECODE:
+            ranges = self._kernel_ranges(B, mask, quant.attention.backend)
+            if ranges is not None:
+                kv_len, kv_end, window = ranges
+                quant.calls["attention"] += 1
+                return quant.attention(queries, self.keys, self.values, kv_len, kv_end, scale=scale, window=window,
+                                       check=False)
         keys, values = self.keys_and_values()
         if _backend(quant) == "cuda":
             k = mx.dequantize(*keys, group_size=self.group_size, bits=self.bits)
@@ -273,6 +269,255 @@ class QuantizedKVCache(_Fused, _stock.QuantizedKVCache):
             quant.calls["mlx-lm"] += 1
         return _ORIGINAL[0](queries, tuple(keys), tuple(values), scale=scale, mask=mask, group_size=self.group_size,
                             bits=self.bits)
+
+
+class QuantizedKVCache(_Quantized, _stock.QuantizedKVCache):
+    """mlx-lm's QuantizedKVCache; its writes and attention in the kernels (module docstring)."""
+
+    def __init__(self, group_size: int = 64, bits: int = 8, quant: QuantLayer | None = None):
+        super().__init__(group_size=group_size, bits=bits)
+        self._bind(quant)
+
+    def _start(self) -> int:
+        return self.__dict__["_fused_off"]
+
+    _rows = _start
+
+    def _index(self, prev: int, shape: tuple, S: int, backend: str):
+        return _rows_index(prev, shape, S, backend)
+
+    def _advance(self, L: int) -> None:
+        self.__dict__["_fused_off"] += L
+
+    def _kernel_ranges(self, B: int, mask, backend: str):
+        # mask None or "causal": the rows [0, offset) of every batch row, causal among the L queries
+        if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+            return None
+        n = self.__dict__["_fused_off"]
+        ends = device_arange(n, B, 0, backend) if B > 1 else device_arange(n, 1, 1, backend)
+        return ends, ends, 0
+
+    @classmethod
+    def merge(cls, caches):
+        """BatchGenerator's merge of per-request caches: a BatchQuantizedKVCache (left-padded rows)."""
+        return BatchQuantizedKVCache.merge(caches)
+
+
+def _room(cache, prev: int, keys: mx.array, values: mx.array) -> None:
+    """Rows [prev, prev + L) of the cache's buffers made to exist, as mlx-lm's update_and_fetch grows
+    them: whole steps of 256 zero rows, the buffers cut at prev first when prev is not on a step
+    boundary (prev: the lone cache's offset, the batch cache's _idx)."""
+    L = keys.shape[2]
+    if cache.keys is not None and prev + L <= cache.keys[0].shape[2]:
+        return
+    B, H = keys.shape[:2]
+    rows = _steps(L, cache.step)
+    bits, gs = cache.bits, cache.group_size
+
+    def zeros(dim):
+        return (mx.zeros((B, H, rows, dim * bits // 32), mx.uint32),
+                mx.zeros((B, H, rows, dim // gs), keys.dtype),
+                mx.zeros((B, H, rows, dim // gs), keys.dtype))
+
+    if cache.keys is None:
+        cache.keys, cache.values = zeros(keys.shape[3]), zeros(values.shape[3])
+        return
+    if prev % cache.step:
+        cache.keys, cache.values = (tuple(x[..., :prev, :] for x in side) for side in (cache.keys, cache.values))
+    cache.keys, cache.values = (tuple(mx.concatenate([x, z], axis=2) for x, z in zip(side, zeros(D)))
+                                for side, D in ((cache.keys, keys.shape[3]), (cache.values, values.shape[3])))
+
+
+# ----------------------------------------------------------------------------- the batch cache
+
+class _BatchQuantized(_stock.BatchKVCache):
+    """mlx-lm's BatchKVCache (left-padded rows, per-row offsets, _idx the next buffer row of every
+    row) in mlx-lm's quantized buffer format, as mlx-lm would write it (mx.quantize and slice
+    assignment): the class BatchQuantizedKVCache puts the kernels on. mlx-lm 0.32.2 has no such
+    class; its BatchKVCache's prepare, trim, size, empty, make_mask and filter's bookkeeping apply
+    unchanged, the methods that touch the buffers are here."""
+
+    def __init__(self, left_padding, group_size: int = 64, bits: int = 8):
+        super().__init__(left_padding)
+        self.group_size, self.bits = group_size, bits
+
+    def update_and_fetch(self, keys, values):
+        prev, L = self._idx, keys.shape[2]
+        _room(self, prev, keys, values)
+        self.offset = self.offset + L
+        self._idx += L
+        for side, new in ((self.keys, keys), (self.values, values)):
+            for x, q in zip(side, mx.quantize(new, group_size=self.group_size, bits=self.bits)):
+                x[..., prev:self._idx, :] = q
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        return tuple(x[..., :self._idx, :] for x in self.keys), tuple(x[..., :self._idx, :] for x in self.values)
+
+    def finalize(self):
+        """mlx-lm's: the right-padded prefill's rows rolled right by each row's padding (left padding)."""
+        padding = self._right_padding
+        if padding is None:
+            return
+        if self.keys is not None:
+            shifts = padding[:, None]
+            self.keys, self.values = (tuple(_stock.dynamic_roll(x, shifts, axis=2) for x in side)
+                                      for side in (self.keys, self.values))
+        self.offset = self.offset - padding
+        self.left_padding += padding
+        self._right_padding = None
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.left_padding, self._idx, self.group_size, self.bits
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.offset, self.left_padding, self._idx, self.group_size, self.bits = v
+        self.keys = None if self.keys is None else tuple(self.keys)
+        self.values = None if self.values is None else tuple(self.values)
+        self.__dict__.setdefault("_right_padding", None)
+
+    def extend(self, other):
+        """mlx-lm's BatchKVCache.extend: both batches' rows right-justified at the larger _idx, in one
+        buffer as long as the longer one (every array of the format)."""
+        _check_same_format([self, other], "extend")
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        max_idx = max(self._idx, other._idx)
+        max_size = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
+        ref = self if self.keys is not None else other
+
+        def pad(c):
+            if c.keys is None:
+                Bc = c.offset.shape[0]
+                k, v = (tuple(mx.zeros((Bc, *x.shape[1:2], 0, x.shape[3]), x.dtype) for x in side)
+                        for side in (ref.keys, ref.values))
+            else:
+                k, v = c.keys, c.values
+            left = max_idx - c._idx
+            right = max_size - k[0].shape[2] - left
+            if right < 0:
+                k, v = tuple(x[..., :right, :] for x in k), tuple(x[..., :right, :] for x in v)
+                right = 0
+            if left or right:
+                widths = [(0, 0), (0, 0), (left, right), (0, 0)]
+                k, v = tuple(mx.pad(x, widths) for x in k), tuple(mx.pad(x, widths) for x in v)
+            return k, v, c.offset, c.left_padding + left
+
+        (k1, v1, o1, p1), (k2, v2, o2, p2) = pad(self), pad(other)
+        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2))
+        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2))
+        self.offset, self.left_padding = mx.concatenate([o1, o2]), mx.concatenate([p1, p2])
+        self._idx = max_idx
+
+    @property
+    def nbytes(self):
+        return 0 if self.keys is None else sum(x.nbytes for x in (*self.keys, *self.values))
+
+
+def _check_same_format(caches, who: str) -> None:
+    formats = {(c.bits, c.group_size) for c in caches}
+    if len(formats) > 1:
+        raise ValueError(f"BatchQuantizedKVCache.{who}: the caches have different formats "
+                         f"({', '.join(f'{b}-bit, group size {g}' for b, g in sorted(formats))})")
+
+
+class BatchQuantizedKVCache(_Quantized, _BatchQuantized):
+    """The batch form of QuantizedKVCache, for mlx-lm's BatchGenerator (module docstring): mlx-lm's
+    BatchKVCache layout (left padding, per-row offsets) in the quantized buffer format; each update
+    is one kernel call writing rows [_idx, _idx + L) of every row in place, RoPE at each row's own
+    positions; attention through decode_attention_quantized with each row's valid range."""
+
+    def __init__(self, left_padding, group_size: int = 64, bits: int = 8, quant: QuantLayer | None = None):
+        super().__init__(left_padding, group_size=group_size, bits=bits)
+        self._bind(quant)
+
+    def _start(self) -> int:
+        return self._idx
+
+    _rows = _start
+
+    def _index(self, prev: int, shape: tuple, S: int, backend: str):
+        # token l of row b at position offset[b] + l, written to buffer row prev + l of row b
+        return _batch_index(self.__dict__["_fused_off"], prev, shape[2], S, backend)
+
+    def _advance(self, L: int) -> None:
+        self.offset = self.__dict__["_fused_off"] + L
+        self._idx += L
+
+    def _kernel_ranges(self, B: int, mask, backend: str):
+        # Only a mask this class made (make_mask: causal, the left padding masked, maybe a window): row b's
+        # offset[b] tokens end at _idx, the left padding before them, causal among the L queries.
+        made = _MASKS.get(id(mask)) if isinstance(mask, mx.array) else None
+        if made is None or made[0] is not mask or made[1] is not type(self):
+            return None
+        off = self.__dict__["_fused_off"]
+        return (off if off.dtype == mx.int32 else off.astype(mx.int32)), _row_ends(self._idx, B, backend), \
+            int(made[2] or 0)
+
+    @classmethod
+    def merge(cls, caches):
+        """Per-request quantized caches (QuantizedKVCache, ours or mlx-lm's; one row each) as one
+        batch: each request's rows right-justified at the longest one's length (left padding), as
+        mlx-lm's BatchKVCache.merge does; bound to the first bound cache's layer."""
+        _check_same_format(caches, "merge")
+        quant = next((c._quant for c in caches if isinstance(c, _Quantized) and c._quant is not None), None)
+        bits, gs = caches[0].bits, caches[0].group_size
+        lengths = [int(c.offset) if c.keys is not None else 0 for c in caches]
+        n = max(lengths)
+        if n == 0:
+            return cls([0] * len(caches), gs, bits, quant)
+        ref = next(c for c in caches if c.keys is not None)
+
+        def rows(c, side: int):
+            arrays = (c.keys, c.values)[side] if c.keys is not None else None
+            out = []
+            for j, r in enumerate((ref.keys, ref.values)[side]):
+                if arrays is None:
+                    out.append(mx.zeros((1, r.shape[1], n, r.shape[3]), r.dtype))
+                    continue
+                x = arrays[j][..., :int(c.offset), :]
+                out.append(x if x.shape[2] == n else mx.pad(x, [(0, 0), (0, 0), (n - x.shape[2], 0), (0, 0)]))
+            return out
+
+        cache = cls([n - m for m in lengths], gs, bits, quant)
+        parts = [(rows(c, 0), rows(c, 1)) for c in caches]
+        cache.keys = tuple(mx.concatenate([p[0][j] for p in parts]) for j in range(3))
+        cache.values = tuple(mx.concatenate([p[1][j] for p in parts]) for j in range(3))
+        cache.offset = cache.offset + n
+        cache._idx = n
+        return cache
+
+    def filter(self, batch_indices):
+        """mlx-lm's, but the buffers stay pools (as mlx_lm_cache.BatchKVCache.filter): the gather reads
+        the rows already shifted past the left padding every kept row shares, so its output is a new
+        buffer, never a view the kernels could write only through a copy."""
+        keys, values, idx = self.keys, self.values, self._idx
+        self.keys = self.values = None
+        try:
+            super().filter(batch_indices)          # offsets, left padding and _idx, shifted as mlx-lm's
+        finally:
+            self.keys, self.values = keys, values
+        if keys is not None:
+            shift = idx - self._idx
+            self.keys, self.values = (tuple((x[..., shift:, :] if shift else x)[batch_indices] for x in side)
+                                      for side in (keys, values))
+
+    def extract(self, idx):
+        """Request idx's rows as a QuantizedKVCache of this layer, in buffers of their own (_compact):
+        a snapshot the batch's later in-place writes never change."""
+        mx.eval(self.left_padding)
+        padding = self.left_padding.tolist()[idx]
+        cache = QuantizedKVCache(self.group_size, self.bits, self._quant)
+        if self.keys is not None:
+            cache.keys, cache.values = (tuple(_compact(x[idx:idx + 1, :, padding:self._idx]) for x in side)
+                                        for side in (self.keys, self.values))
+            cache.offset = self._idx - padding
+        self._handed_out()
+        return cache
 
 
 def _backend(quant: QuantLayer | None) -> str:
@@ -321,7 +566,7 @@ def install_attention() -> None:
 
     def quantized_scaled_dot_product_attention(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
         cache = getattr(q_keys, "cache", None)
-        if isinstance(cache, QuantizedKVCache):
+        if isinstance(cache, _Quantized):
             return cache.attend(queries, scale, mask)
         return current(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
 
