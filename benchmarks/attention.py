@@ -297,7 +297,8 @@ def table(meta: dict, cells: list[dict]) -> str:
     lines = [f"{meta.get('kernel', 'decode_attention')} micro on {meta['host']} ({meta['device']}, MLX "
              f"{meta['mlx']}), {meta['date']}, commit {meta['commit']}",
              f"command: {meta['command']}",
-             f"{c0['dtype']}, {h.get('n_q', '?')} query / {h.get('n_kv', '?')} KV heads, head_dim {h.get('head_dim', '?')}"
+             f"{c0['dtype']}, {h.get('n_q', '?')} query / {h.get('n_kv', '?')} KV heads, head_dim "
+             f"{h.get('head_dim', '?')}"
              f", one query token; head-major buffers of S + 256 rows; even rows S keys, odd rows 3S/4 (left padding); "
              f"us per layer = whole {meta.get('layers', '?')}-layer step / {meta.get('layers', '?')}, median of "
              f"{meta.get('steps', '?')} steps.",
