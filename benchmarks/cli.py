@@ -15,6 +15,7 @@ import click
 from . import e2e as e2e_bench
 from .cases import CASES, DTYPES, MAX_LAYERS, SHAPES, TOKENS, VARIANTS, memory_budget
 
+ATTENTION_KERNELS = ("decode_attention", "decode_attention_quantized")   # benchmarks/attention.py
 QUICK = dict(shapes=["llama-8b", "phi-4-mini-partial"], tokens=[1, 32, 512], dtypes=["bfloat16"],
              variants=list(VARIANTS))
 
@@ -212,15 +213,20 @@ def _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_pa
               help="--e2e: a seconds-long run (tiny-llama, batch 1 and 2, prompt 16, 4 tokens, 1 round; "
                    "filters given with it win).")
 @click.option("--kernel", type=click.Choice(["rope_pool_fused", "qk_norm_rope_pool_fused", "kv_pool_store",
-                                            "decode_attention"]),
+                                            *ATTENTION_KERNELS]),
               default="rope_pool_fused", show_default=True,
               help="Which kernel; qk_norm_rope_pool_fused and kv_pool_store are micro benchmarks against the MLX "
                    "ops they replace (benchmarks/micro.py: --shapes, --tokens, --dtypes, --layers, --steps, --warmup, "
                    "--json apply); decode_attention against MLX's masked and unmasked attention and the K/V read "
-                   "floor (benchmarks/attention.py: --dtypes, --layers, --steps, --json, --commit apply).")
+                   "floor, decode_attention_quantized at 8 and 4 bits against decode_attention and against "
+                   "mx.dequantize + MLX's masked attention, each against its format's floor (benchmarks/attention.py: "
+                   "--dtypes, --layers, --steps, --json, --txt, --commit apply, and for the quantized one "
+                   "--kv-group-size).")
+@click.option("--txt", "txt_path", type=click.Path(dir_okay=False, path_type=Path), callback=_output,
+              help="--kernel decode_attention[_quantized]: also write the text table (it is printed either way).")
 def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
           from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
-          prefill_step_size, kv_bits, kv_group_size, smoke, kernel) -> None:
+          prefill_step_size, kv_bits, kv_group_size, smoke, kernel, txt_path) -> None:
     """Per-layer time of RoPE + KV-pool store inside a multi-layer step, on the default device:
     the registry's fused kernel, MLX's own path, the seed's per-request loop, a trivial op, a copy.
     With --e2e: end-to-end decode tokens/s of real-size models (docs/benchmarks/README.md)."""
@@ -234,7 +240,7 @@ def bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup,
 
 def _bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup, json_path, plot_path, md_path,
            from_json, commit, no_check, e2e, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size,
-           prefill_step_size, kv_bits, kv_group_size, smoke, kernel) -> None:
+           prefill_step_size, kv_bits, kv_group_size, smoke, kernel, txt_path) -> None:
     from . import report, runner
 
     ctx = click.get_current_context()
@@ -244,28 +250,37 @@ def _bench(quick, shapes, tokens, dtypes, variants, cases, layers, steps, warmup
                 "kv_bits", "kv_group_size", "smoke")
     flag = lambda name: "--" + name.replace("_", "-")
     if e2e:
-        bad = [flag(n) for n in micro_only + ("kernel",) if given(n)]
+        bad = [flag(n) for n in micro_only + ("kernel", "txt_path") if given(n)]
         if bad:
             raise click.UsageError(f"{', '.join(bad)}: not options of --e2e (they configure the per-layer benchmark)")
         return _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_size, prefill_step_size, smoke,
                     json_path, plot_path, md_path, commit, no_check, from_json, kv_bits=kv_bits,
                     kv_group_size=int(kv_group_size))
-    bad = [flag(n) for n in e2e_only if given(n)]
+    quantized = kernel == "decode_attention_quantized"
+    bad = [flag(n) for n in e2e_only if given(n) and not (quantized and n == "kv_group_size")]
     if bad:
-        raise click.UsageError(f"{', '.join(bad)}: only with --e2e")
-    if kernel == "decode_attention":
+        raise click.UsageError(f"{', '.join(bad)}: only with --e2e" + (
+            " (and --kv-group-size with --kernel decode_attention_quantized)" if "--kv-group-size" in bad else ""))
+    if kernel in ATTENTION_KERNELS:
         from . import attention
 
-        unused = [n for n in ("quick", "shapes", "tokens", "variants", "cases", "plot_path", "md_path", "from_json",
-                              "no_check", "warmup") if given(n)]
+        unused = [f for n, f in (("quick", "--quick"), ("shapes", "--shapes"), ("tokens", "--tokens"),
+                                 ("variants", "--variants"), ("cases", "--cases"), ("plot_path", "--plot"),
+                                 ("md_path", "--markdown"), ("from_json", "--from-json"), ("no_check", "--no-check"),
+                                 ("warmup", "--warmup")) if given(n)]
         if unused or (dtypes and len(dtypes) > 1):
-            raise click.UsageError(f"--kernel decode_attention takes --dtypes (one), --layers, --steps, --json, "
-                                   f"--commit; not {', '.join(unused) or '--dtypes with several'}")
+            raise click.UsageError(f"--kernel {kernel} takes --dtypes (one), --layers, --steps, --json, --txt, "
+                                   + ("--kv-group-size, " if quantized else "")
+                                   + f"--commit; not {', '.join(unused) or '--dtypes with several'}")
         argv = [f"--dtype={dtypes[0]}" if dtypes else "--dtype=bfloat16", f"--layers={layers}", f"--steps={steps}"]
+        argv += ["--quantized", f"--group-size={kv_group_size}"] if quantized else []
         argv += [f"--json={json_path}"] if json_path else []
+        argv += [f"--txt={txt_path}"] if txt_path else []
         argv += [f"--commit={commit}"] if commit else []
         attention.main(argv)
         return
+    if txt_path:
+        raise click.UsageError(f"--txt: only with --kernel {' or '.join(ATTENTION_KERNELS)}")
     if kernel != "rope_pool_fused":
         _micro(kernel, quick, shapes, tokens, dtypes, layers, steps, warmup, json_path, commit, no_check,
                other=dict(variants=variants, cases=cases, plot=plot_path, markdown=md_path, from_json=from_json))

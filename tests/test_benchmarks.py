@@ -496,3 +496,106 @@ def test_graph_time_summarize_of_no_file_says_so(tmp_path, what):
                        text=True, cwd=PROJECT_ROOT, timeout=60)
     says = "not a regular file" if what == "fifo" else "cannot read it (No such file or directory)"
     assert r.returncode == 1 and f"--summarize {path}: {says}" in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------------------- decode attention
+
+def attention_run(tmp_path, *extra):
+    from benchmarks import attention
+
+    out, txt = tmp_path / "a.json", tmp_path / "a.txt"
+    attention.main(["--cells", "2x64", "--layers", "1", "--steps", "1", "--json", str(out), "--txt", str(txt),
+                    "--commit", "abc1234", *extra])
+    return json.loads(out.read_text()), txt.read_text()
+
+
+def test_attention_quantized_case_writes_every_field(tmp_path, capsys):
+    """A tiny --quantized cell: every case timed, a floor per format from the rows' bytes, each kernel's
+    error against its reference within tolerance, the run's provenance, and the text table."""
+    from benchmarks import attention
+
+    data, txt = attention_run(tmp_path, "--quantized")
+    for key in ("date", "host", "device", "mlx", "commit", "command", "kernel", "heads", "layers", "steps",
+                "copy_tb_per_s", "launcher", "seconds"):
+        assert key in data, key
+    assert data["commit"] == "abc1234" and data["kernel"] == "decode_attention_quantized"
+    assert data["command"].startswith("python -m benchmarks.attention ") and "--quantized" in data["command"]
+    (cell,) = data["cells"]
+    cases = ["kernel_bf16", "kernel_q8", "kernel_q4", "mlx_dequantized_q8", "mlx_dequantized_q4"]
+    assert (cell["batch"], cell["context"], cell["dtype"], cell["group_size"]) == (2, 64, "bfloat16", 64)
+    assert list(cell["us_per_layer"]) == cases and all(v > 0 for v in cell["us_per_layer"].values())
+    assert list(cell["fraction_of_floor"]) == cases
+    floor = cell["floor_us_per_layer"]
+    # a row of head_dim 128: bf16 256 bytes; 8 bits 128 + 2 x 2 groups x 2 bytes; 4 bits 64 + 8
+    assert cell["floor_speedup"] == pytest.approx({"q8": 256 / 136, "q4": 256 / 72})
+    assert floor["bf16"] > floor["q8"] > floor["q4"] > 0
+    for case, share in cell["fraction_of_floor"].items():
+        assert share == pytest.approx(floor[case.rsplit("_", 1)[-1]] / cell["us_per_layer"][case])
+    assert set(cell["speedup"]) == {"q8", "q4"}
+    us = cell["us_per_layer"]
+    assert cell["speedup"]["q8"] == pytest.approx(us["kernel_bf16"] / us["kernel_q8"])
+    assert set(cell["max_err"]) == {"kernel_bf16", "kernel_q8", "kernel_q4"}
+    assert cell["max_err"]["kernel_bf16"] <= attention.TOL["bfloat16"]
+    assert max(cell["max_err"]["kernel_q8"], cell["max_err"]["kernel_q4"]) <= attention.QUANT_TOL["bfloat16"]
+    assert txt.startswith("decode_attention_quantized micro on ") and "commit abc1234" in txt
+    assert all(c + " us (share)" in txt for c in cases) and "q4 vs bf16 (floor)" in txt
+    assert txt in capsys.readouterr().out
+
+
+def test_attention_float_case_writes_every_field(tmp_path):
+    data, txt = attention_run(tmp_path, "--dtype", "float32")
+    (cell,) = data["cells"]
+    assert data["kernel"] == "decode_attention" and cell["dtype"] == "float32"
+    assert list(cell["us_per_layer"]) == ["kernel", "mlx_masked", "mlx_unmasked"]
+    assert cell["floor_us_per_layer"] > 0 and 0 <= cell["max_err"] <= 2e-4
+    assert "kernel vs masked" in txt and "max |kernel - MLX masked| per cell" in txt
+
+
+def test_attention_quantized_disagreement_stops_the_run(tmp_path, monkeypatch):
+    from benchmarks import attention
+
+    monkeypatch.setattr(attention, "QUANT_TOL", {"bfloat16": -1.0})
+    with pytest.raises(SystemExit, match=r"at B=2 S=64, disagreeing with its reference: kernel_q8 max error"):
+        attention.run([(2, 64)], layers=1, steps=1, warmup=0, quantized=True)
+
+
+def test_attention_group_size_needs_quantized(capsys):
+    from benchmarks import attention
+
+    with pytest.raises(SystemExit):
+        attention.main(["--group-size", "32"])
+    assert "--group-size: only with --quantized" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kernel, args, routed", [
+    ("decode_attention", [], ["--dtype=bfloat16", "--layers=32", "--steps=20"]),
+    ("decode_attention_quantized", ["--kv-group-size", "32", "--layers", "16", "--commit", "c0ffee"],
+     ["--dtype=bfloat16", "--layers=16", "--steps=20", "--quantized", "--group-size=32", "--commit=c0ffee"]),
+    ("decode_attention_quantized", [], ["--dtype=bfloat16", "--layers=32", "--steps=20", "--quantized",
+                                        "--group-size=64"]),
+])
+def test_cli_routes_the_attention_kernels(monkeypatch, tmp_path, kernel, args, routed):
+    from benchmarks import attention
+
+    seen = []
+    monkeypatch.setattr(attention, "main", seen.append)
+    res = CliRunner().invoke(bench, ["--kernel", kernel, *args])
+    assert res.exit_code == 0, res.output
+    assert seen == [routed]
+    out, txt = tmp_path / "q.json", tmp_path / "q.txt"
+    res = CliRunner().invoke(bench, ["--kernel", kernel, "--json", str(out), "--txt", str(txt)])
+    assert res.exit_code == 0 and seen[-1][-2:] == [f"--json={out}", f"--txt={txt}"], res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kernel", "decode_attention", "--kv-group-size", "32"], "--kv-group-size: only with --e2e"),
+    (["--kernel", "decode_attention_quantized", "--dtypes", "bfloat16,float16"], "not --dtypes with several"),
+    (["--kernel", "decode_attention_quantized", "--plot", "x.png"], "not --plot"),
+    (["--kernel", "kv_pool_store", "--txt", "x.txt"], "--txt: only with --kernel decode_attention"),
+])
+def test_cli_attention_kernels_reject_foreign_options(monkeypatch, args, message):
+    from benchmarks import attention
+
+    monkeypatch.setattr(attention, "main", lambda argv: pytest.fail("ran despite a usage error"))
+    res = CliRunner().invoke(bench, args)
+    assert res.exit_code == 2 and message in res.output, res.output
