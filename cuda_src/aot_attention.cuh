@@ -620,12 +620,12 @@ __device__ __forceinline__ void attend_mma(const T* q, T* out, const Mma mma, co
 
 // A kernel's attention: 2-byte types at head_dim 64 or 128 on the tensor cores (Rows::mma<D>(), the
 // rows policy of that path), everything else on the SIMT path with LPK lanes per key (at least 8:
-// LPK * EPL >= head_dim) as a compile-time choice.
+// LPK * EPL >= head_dim) as a compile-time choice. `sh`: the kernel's one Shared, declared in its
+// entry, so an entry that calls attend for several Rows types holds one copy.
 template <typename T, typename Rows>
 __device__ void attend(const T* q, T* out, const Rows rows, const int32_t* kv_len, const int32_t* kv_end,
                        const int32_t* table, float* workspace, int32_t* locks, const Shape& p,
-                       const aot_cuda::Strides& qs) {
-  __shared__ Shared sh;
+                       const aot_cuda::Strides& qs, Shared& sh) {
   if constexpr (sizeof(T) == 2) {
     if (p.head_dim == 128) {
       attend_mma<T, 128>(q, out, rows.template mma<128>(), kv_len, kv_end, table, workspace, locks, p, qs, sh);

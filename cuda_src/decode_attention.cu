@@ -142,8 +142,9 @@ struct FloatRows {
     const Shape p{batch,      seq_len, n_q_heads, n_kv_heads, head_dim, pool_layout, pool_rows,            \
                   table_cols, window,  scale,     softcap,    n_splits, split_len};                        \
     if (!shape_ok(p)) return;                                                                             \
+    __shared__ Shared sh;                                                                                 \
     attend<T>(q, out, FloatRows<T>{k_pool, v_pool, head_dim}, kv_len, kv_end, table, workspace, locks, p,   \
-              q_strides);                                                                                 \
+              q_strides, sh);                                                                             \
   }
 
 DA_ENTRY(decode_attention_f16, __half)

@@ -245,14 +245,15 @@ struct QuantRows {
       return;                                                                                                \
     /* bits as a compile-time choice too: the unpacking has no runtime shift or mask */                   \
     const int W = head_dim * bits / 32, Gn = head_dim / group_size;                                          \
+    __shared__ aot_attn::Shared sh;                   /* one for both formats' instantiations */             \
     if (bits == 8)                                                                                           \
       aot_attn::attend<T>(q, out, QuantRows<T, 8>{k_pool, k_scales, k_biases, v_pool, v_scales, v_biases, W,  \
                                                    Gn, group_size},                                           \
-                          kv_len, kv_end, table, workspace, locks, p, q_strides);                            \
+                          kv_len, kv_end, table, workspace, locks, p, q_strides, sh);                        \
     else if (bits == 4)                                                                                      \
       aot_attn::attend<T>(q, out, QuantRows<T, 4>{k_pool, k_scales, k_biases, v_pool, v_scales, v_biases, W,  \
                                                    Gn, group_size},                                           \
-                          kv_len, kv_end, table, workspace, locks, p, q_strides);                            \
+                          kv_len, kv_end, table, workspace, locks, p, q_strides, sh);                        \
   }
 
 DAQ_ENTRY(decode_attention_quantized_f16, __half)
