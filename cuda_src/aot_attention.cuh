@@ -424,7 +424,7 @@ __device__ __forceinline__ void attend_block_of(const T* q, T* out, const Rows r
 constexpr int KC = 16;
 
 // Resident blocks per SM the kernels are built for (__launch_bounds__): the tensor-core path's
-// registers (about 230 a thread: the chunk's K and V, the output's accumulators) allow 2; the SIMT
+// registers (220 a thread at sm_90: the chunk's K and V, the output's accumulators) allow 2; the SIMT
 // path alone fits 3 (168). registry/kernels/decode_attention.py's split plan counts the same.
 template <typename T>
 constexpr int blocks_per_sm() { return sizeof(T) == 2 ? 2 : 3; }
@@ -463,7 +463,7 @@ __device__ __forceinline__ float2 unpack_pair<__nv_bfloat16>(uint32_t x) {
 template <typename T>
 __device__ __forceinline__ void mma_rows8(float& c0, float& c1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
   float d2, d3;
-  if constexpr (sizeof(T) == 2 && std::is_same_v<T, __half>) {
+  if constexpr (std::is_same_v<T, __half>) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%10,%10};"
         : "+f"(c0), "+f"(c1), "=f"(d2), "=f"(d3)

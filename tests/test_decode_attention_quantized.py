@@ -19,7 +19,7 @@ from registry.kernels._base import PoolFormat
 from registry.kernels.decode_attention import cuda_slots, decode_attention_reference, split_plan
 from registry.kernels.decode_attention_quantized import (DecodeAttentionQuantizedKernel, decode_attention_quantized,
                                                          decode_attention_quantized_reference)
-from tests.test_decode_attention import oracle
+from tests.test_decode_attention import DTYPES, oracle
 
 SPEC = KernelRegistry.from_yaml().manifest.kernel("decode_attention_quantized")
 TOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
@@ -73,7 +73,7 @@ CASES = [  # B, Hq, Hkv, L, D, S, window, softcap, bits, group size
 ]
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=lambda d: str(d).split(".")[-1])
+@DTYPES
 @pytest.mark.parametrize("B,Hq,Hkv,L,D,S,window,softcap,bits,gs", CASES)
 def test_head_major_matches_oracle_reference_and_dequantized(native_artifacts, dtype, B, Hq, Hkv, L, D, S, window,
                                                              softcap, bits, gs):
@@ -94,9 +94,6 @@ def test_head_major_matches_oracle_reference_and_dequantized(native_artifacts, d
         plain = decode_attention_reference(q, *deq, lens, lens, scale=scale, window=window, softcap=softcap)
     np.testing.assert_allclose(np.asarray(got.astype(mx.float32)), np.asarray(plain.astype(mx.float32)),
                                atol=TOL_DEQUANTIZED[dtype], rtol=TOL_DEQUANTIZED[dtype])
-
-
-DTYPES = pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=lambda d: str(d).split(".")[-1])
 
 
 @DTYPES
