@@ -363,12 +363,17 @@ def _ratio(group: dict, a: str, b: str) -> float | None:
     return _cell_ratio(group.get(a), group.get(b))
 
 
+def _float_twin(groups: dict, key: tuple, mode: str = "mlx_lm_fused_cache"):
+    """The cell of `mode` on the float cache of a group's size, dtype, batch and prompt, or None."""
+    return groups.get((*key[:4], None), {}).get(mode)
+
+
 def _over_float(groups: dict, key: tuple, mode: str = "mlx_lm_fused_cache") -> float | None:
     """A quantized group's `mode` over the same mode on the float cache of the same size, dtype,
     batch and prompt (None for a float group or without that cell)."""
     if key[4] is None:
         return None
-    return _cell_ratio(groups[key].get(mode), groups.get((*key[:4], None), {}).get(mode))
+    return _cell_ratio(groups[key].get(mode), _float_twin(groups, key, mode))
 
 
 def _e2e_modes(cells) -> list[str]:
@@ -460,7 +465,7 @@ def kv_ideal(bits: int, group_size: int, dtype: str) -> float:
 def _kv_share(groups: dict, key: tuple) -> float | None:
     """The quantized drop-in's decode-phase KV memory over the float drop-in's (kv_decode_peak_bytes)."""
     q = groups[key].get("mlx_lm_fused_cache")
-    f = groups.get((*key[:4], None), {}).get("mlx_lm_fused_cache")
+    f = _float_twin(groups, key)
     if key[4] is None or not q or not f or not q.kv_decode_peak_bytes or not f.kv_decode_peak_bytes:
         return None
     return q.kv_decode_peak_bytes / f.kv_decode_peak_bytes
@@ -613,7 +618,7 @@ def e2e_markdown(cells, skipped: list[dict], info: dict, command: str) -> str:
         size, dtype, batch, prompt, kv_bits = key
         share = _kv_share(groups, key) if key in groups else None
         ideal = kv_ideal(kv_bits, g["mlx_lm_fused_cache"].kv_group_size, dtype) if share is not None else None
-        over_float = (_quartiles(g.get("mlx_lm_fused_cache"), groups.get((*key[:4], None), {}).get("mlx_lm_fused_cache"))
+        over_float = (_quartiles(g.get("mlx_lm_fused_cache"), _float_twin(groups, key))
                       if kv_bits is not None else "-")
         lines.append(f"| {size} | {dtype} | {batch} | {prompt} | {_kv(kv_bits)} | "
                      + " | ".join(f(g[m].decode_tokens_per_s, ".1f") if m in g else
