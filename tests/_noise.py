@@ -3,8 +3,9 @@ tolerances derived from it (tests/test_engine.py).
 
 The floor: the largest logit difference between mlx-lm's own forced decode of a prompt at batch 1
 and the same prompt as row 0 of a batch of 3. The engine decodes several requests at once, so its
-GEMMs have other shapes than mlx-lm's batch of 1, and on the H200 float32 matmuls run in TF32, whose
-rounding depends on the shape. On the CPU the floor is fp32 round-off (about 1e-6).
+GEMMs have other shapes than mlx-lm's batch of 1, and with MLX's default on CUDA float32 GEMMs run in
+TF32, whose rounding depends on the shape (the floors below were measured so; tests/conftest.py now
+turns TF32 off unless MLX_ENABLE_TF32 is set). On the CPU the floor is fp32 round-off (about 1e-6).
 
 Measured on the H200 (tests/gpu/diag_noise.py, docs/gpu-runs.md, 2026-12-01, 50 architectures x 3
 requests): floors 1.4e-5 to 5.3e-3, and the engine's largest difference from mlx-lm at most 1.20x

@@ -14,6 +14,12 @@ import pytest
 # The toy manifests of the suite name tests.toy_wrapper as wrapper/check: allow-list it explicitly
 # (docs/manifest.md, "Limits"); subprocesses started by the tests inherit it.
 os.environ["MLX_AOT_HOOK_MODULES"] = "tests.toy_wrapper"
+# MLX's CUDA GEMMs round float32 through TF32 by default while its batch-1 GEMV does not, so a request
+# batched and the same request alone differed by ~1e-3 relative in their keys, which a quantized cache
+# turns into whole quantization steps (H200, 2026-12-03: log-probs up to 0.8 apart at 4 bits, tokens
+# equal). The suite's float32 comparisons test our code at full precision; a caller's own
+# MLX_ENABLE_TF32 wins. MLX reads it at the first matmul, after this.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 
 def pytest_configure(config):

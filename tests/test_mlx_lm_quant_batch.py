@@ -69,9 +69,10 @@ def assert_as_alone(got, want, atol=1e-4):
     and the attention reads each row's valid range, so on the CPU the tokens are the same and the
     log-probs within 1e-4 (the attention's summation order; the prompts are chosen so that each
     request's prefill takes the same attention path batched and alone: a last-bit difference of a
-    key can move its quantized value one step, ~1e-3 in these models). Elsewhere float32 matmuls may
-    run in TF32 (CUDA), whose batch and lone results differ more: tokens up to the first near-tie
-    of the lone run (top-2 log-probs within NEAR_TIE), log-probs within GPU_ATOL up to there."""
+    key can move its quantized value one step, ~1e-3 in these models). On a GPU the batch's GEMMs and
+    the lone run's GEMVs are other kernels (full float32: tests/conftest.py turns MLX's TF32 off):
+    tokens up to the first near-tie of the lone run (top-2 log-probs within NEAR_TIE), log-probs
+    within GPU_ATOL up to there."""
     for i, (toks, lps, (wt, wl)) in enumerate(zip(got[0], got[1], want)):
         n = len(wt)
         if mx.default_device() != mx.cpu:
