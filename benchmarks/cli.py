@@ -445,6 +445,14 @@ def _e2e(dtypes, sizes, batches, prompts, decode_tokens, modes, rounds, pool_siz
                                      f"this machine's memory ({budget / 2**30:.1f} GiB): lower --batches/--prompts/"
                                      f"--decode-tokens (or --pool-size)", param_hint="--batches/--prompts/"
                                                                                    "--decode-tokens/--pool-size")
+    if any(m in ("mlx_lm", "mlx_lm_fused_cache") for m in modes):   # BatchGenerator's cells need a whole-batch step
+        lag = max((E.batch_lag(E.prompt_lengths(b, p), prefill_step_size) for b in batches if b > 1 for p in prompts),
+                  default=0)
+        if decode_tokens < lag + 2:
+            raise click.BadParameter(f"{decode_tokens}: mlx-lm's BatchGenerator decodes the shorter prompts (3/4 of the "
+                                     f"length) {lag} steps before the longest's first token and so finishes them "
+                                     f"first; decode is timed where every request decodes, so ask for at least "
+                                     f"{lag + 2} tokens (or a larger --prefill-step-size)", param_hint="--decode-tokens")
     if on_cpu:
         big = [s for s in sizes if not e2e_bench.SIZES[s].cpu]
         if big:

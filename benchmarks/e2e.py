@@ -70,6 +70,7 @@ BATCHES, PROMPTS, DECODE_TOKENS, ROUNDS = (1, 8, 32), (128, 2048), 64, 3
 # seconds (bf16/f16 matmuls are not native there), so its cells are shorter.
 CPU_DTYPES, CPU_BATCHES, CPU_PROMPTS, CPU_DECODE_TOKENS = ("bfloat16",), (1, 8), (32, 128), 32
 WARMUP_TOKENS, WARMUP_MAX_PROMPT = 3, 128     # the untimed run per mode: short, same batch
+MLX_LM_PREFILL_STEP = 2048                    # BatchGenerator's default prefill_step_size (mlx-lm 0.32.2)
 CHECK_PROMPT, CHECK_TOKENS, CHECK_BATCH = 12, 8, 2
 NEAR_TIE = 1e-3                                # float32: a token may flip where mlx-lm's top-2 gap is this close
 
@@ -245,20 +246,37 @@ def _mlx_lm_batch(model, prompts: list[list[int]], n: int, caches, prefill_step_
         mem = _Memory()
         cache_bytes = None
         t0 = time.perf_counter()
-        t1 = None
+        t1 = t2 = None
+        start = window = 0
+        counts = [0]
         while responses := gen.next_generated():
             for r in responses:
                 got[r.uid].append(r.token)
-            if t1 is None:
-                t1 = time.perf_counter()
+            counts = [len(t) for t in got.values()]
+            if t1 is None and min(counts) >= 1:
+                t1, start = time.perf_counter(), sum(counts)
                 mem.first_token()
-            if cache_bytes is None and min(map(len, got.values())) >= n - 1:   # the last step drops the batch
+            if t1 is not None and t2 is None and max(counts) >= n:
+                t2, window = time.perf_counter(), sum(counts) - start
+            if cache_bytes is None and min(counts) >= n - 1:   # the last step drops the batch
                 cache_bytes = gen.prompt_cache_nbytes
-        t2 = time.perf_counter()
     finally:
         gen.close()
     sync()
-    return mem.end(Run([got[u] for u in uids], t1 - t0, t2 - t1), cache_bytes)
+    # The shorter prompts decode while the longest still prefills (BatchGenerator runs one prefill
+    # chunk and one decode step per call): time only the steps where every request decodes, scaled
+    # to n - 1 of them, so that tokens/s is the whole batch's decode and not prefill's too. A run
+    # with no such step keeps 0: the untimed warm-up (`bench --e2e` refuses too few decode tokens).
+    decode_s = (t2 - t1) * len(prompts) * (n - 1) / window if window else 0.0
+    return mem.end(Run([got[u] for u in uids], t1 - t0, decode_s), cache_bytes)
+
+
+def batch_lag(lengths: list[int], prefill_step_size: int | None) -> int:
+    """Decode steps that BatchGenerator runs for the shortest prompts before the longest's first token:
+    one prefill chunk per call, a request decoding from the call after its last chunk."""
+    step = prefill_step_size or MLX_LM_PREFILL_STEP
+    chunks = [-(-(n - 1) // step) for n in lengths]
+    return max(chunks) - min(chunks)
 
 
 def run_mlx_lm(model, prompts, n, cache_factory, prefill_step_size: int | None = None,

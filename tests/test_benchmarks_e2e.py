@@ -67,6 +67,9 @@ def test_smoke_run_writes_every_output(tmp_path):
     (["--kv-group-size", "48"], "--kv-group-size", "'48' is not one of '32', '64', '128'"),
     (["--smoke", "--kv-bits", "none,8", "--modes", "mlx_lm,fused"], "--kv-bits",
      "the slot engine's modes (fused) have float pools only"),
+    # 16384 and 12288 tokens in 512-token chunks: the shorter rows decode 8 steps early
+    (["--smoke", "--batches", "4", "--prompts", "16384", "--prefill-step-size", "512", "--decode-tokens", "9"],
+     "--decode-tokens", "8 steps before the longest's first token"),
 ])
 def test_bad_arguments_name_the_flag(args, flag, says):
     out = run_cli(*args)
@@ -346,3 +349,46 @@ def test_quantized_ratios_targets_and_the_readme_summary():
                                                          "| s | **1.25x** (63 → 79) |"]
     md = report.e2e_markdown(cells, [], {}, "cmd")
     assert "| s | bfloat16 | 1 | 128 | q8 | " in md and "1.33 [1.33-1.33] | 0.540 (0.531) |" in md
+
+
+def test_batch_decode_is_timed_where_every_request_decodes(monkeypatch):
+    """BatchGenerator runs one prefill chunk and one decode step per call, so the shorter prompts decode
+    while the longest prefills: batch_lag counts those steps as mlx-lm schedules them, and decode_s is
+    the time of the steps where every request decodes, scaled to n - 1 of them (prefill's chunks and
+    the tail after the first request finishes left out)."""
+    import importlib
+
+    g = importlib.import_module("mlx_lm.generate")
+    model = e2e.random_model(e2e.SIZES["tiny-llama"].config, mx.bfloat16)
+    from registry.integrations.mlx_lm import make_own_cache
+
+    for batch, prompt, step in [(4, 128, 16), (2, 64, 7), (4, 33, 8), (8, 128, 2048)]:
+        lengths = e2e.prompt_lengths(batch, prompt)
+        prompts = [[1 + i % 50 for i in range(n)] for n in lengths]
+        gen = g.BatchGenerator(model, max_tokens=12, completion_batch_size=batch, prefill_batch_size=batch,
+                               prefill_step_size=step)
+        got = {u: 0 for u in gen.insert(prompts)}
+        lag = None
+        while responses := gen.next_generated():
+            for r in responses:
+                got[r.uid] += 1
+            if lag is None and min(got.values()) >= 1:
+                lag = max(got.values()) - 1
+        gen.close()
+        assert lag == e2e.batch_lag(lengths, step), (batch, prompt, step)
+    # the window, on a clock that reads the calls of next_generated so far (a decode step each)
+    calls = []
+    monkeypatch.setattr(e2e.time, "perf_counter", lambda: float(len(calls)))
+    original = g.BatchGenerator.next_generated
+
+    def counted(self):
+        calls.append(1)
+        return original(self)
+
+    monkeypatch.setattr(g.BatchGenerator, "next_generated", counted)
+    run = e2e.run_mlx_lm(model, [[1] * 64, [2] * 48], 6, make_own_cache, prefill_step_size=8)
+    lag = e2e.batch_lag([64, 48], 8)
+    assert lag == 2 and [len(t) for t in run.tokens] == [6, 6]
+    # from the call giving the longest its first token to the one giving the shorter its 6th: 6 - 1 - lag
+    # calls of both requests decoding, 3 "seconds" for 6 tokens, scaled to 2 x 5 tokens
+    assert run.decode_s == 5.0 and run.prefill_s >= 1, run
